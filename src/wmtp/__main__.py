@@ -1,0 +1,3 @@
+from wmtp.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,283 @@
+"""Typed study configuration, validation with messages that name the key, and matrix expansion.
+
+A study file is checked twice: first against ``config/schemas/config.schema.yaml`` (shape and
+types), then by the pydantic models below (cross-field rules such as "a context length must be
+below the model's maximum length"). Both raise :class:`ConfigError` whose message starts with the
+offending key, e.g. ``config: arms[2].k must be ≥ 1 for arm 'mtp' (got 0)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCHEMA_PATH = REPO_ROOT / "config" / "schemas" / "config.schema.yaml"
+
+ARMS = ("none", "mtp", "wmtp", "wmtp-ring")
+DRAFTING_ARMS = ("mtp", "wmtp", "wmtp-ring")
+WINDOWED_ARMS = ("wmtp", "wmtp-ring")
+ENGINE_KINDS = ("vllm", "sglang")
+
+
+class ConfigError(ValueError):
+    """A study file that cannot be run; the message names the key and the value."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineSpec(_Strict):
+    name: str
+    kind: Literal["vllm", "sglang"]
+    device: Literal["cpu", "cuda"] = "cuda"
+    # Where the engine comes from: a venv the pipeline builds, an existing interpreter, or an image.
+    source: Literal["venv", "python", "container"] = "venv"
+    python_version: str = "3.11"
+    packages: list[str] = Field(default_factory=list)
+    pre_packages: list[str] = Field(default_factory=list)
+    remove_packages: list[str] = Field(default_factory=list)
+    python: str | None = None
+    image: str | None = None
+    container_runtime: Literal["docker", "apptainer"] | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    serve_args: list[str] = Field(default_factory=list)
+
+
+class ModelSpec(_Strict):
+    name: str
+    # Exactly one of: a local checkpoint directory, or a model that a rule generates ("tiny").
+    path: str | None = None
+    generate: Literal["tiny"] | None = None
+    seed: int = 0
+    hf_id: str | None = None
+    max_model_len: int
+    serve_args: list[str] = Field(default_factory=list)
+
+
+class ArmSpec(_Strict):
+    name: Literal["none", "mtp", "wmtp", "wmtp-ring"]
+    k: list[int] = Field(default_factory=list)
+    sink: list[int] = Field(default_factory=list)
+    window: list[int] = Field(default_factory=list)
+
+
+class ProtocolSpec(_Strict):
+    rungs: list[int]
+    repeats: list[int]
+    output_tokens: int = 256
+    concurrency: list[int] = Field(default_factory=lambda: [1])
+    warmup_requests: int = 3
+    warmup_prompt_tokens: int = 64
+    warmup_output_tokens: int = 16
+    temperature: float = 0.0
+    health_timeout_s: float = 900.0
+    request_timeout_s: float = 3600.0
+    idle_baseline_s: float = 0.0
+    workload: Literal["code"] = "code"
+
+
+class Study(_Strict):
+    study: str
+    results_dir: str = "results"
+    engines_dir: str = "results/engines"
+    models_dir: str = "results/models"
+    engines: list[EngineSpec]
+    models: list[ModelSpec]
+    arms: list[ArmSpec]
+    protocol: ProtocolSpec
+
+    def engine(self, name: str) -> EngineSpec:
+        return next(e for e in self.engines if e.name == name)
+
+    def model(self, name: str) -> ModelSpec:
+        return next(m for m in self.models if m.name == name)
+
+    def model_dir(self, name: str) -> Path:
+        """Where the checkpoint of a model lives (generated models live under models_dir)."""
+        spec = self.model(name)
+        if spec.generate:
+            return Path(self.models_dir) / spec.name
+        return Path(spec.path or "")
+
+    def cells(self) -> list[Cell]:
+        return list(expand_cells(self))
+
+    def config_hash(self) -> str:
+        payload = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+class Cell(_Strict):
+    """One server lifetime: (study, model, engine, arm, k, S, W, concurrency)."""
+
+    study: str
+    model: str
+    engine: str
+    arm: str
+    k: int = 0
+    sink: int | None = None
+    window: int | None = None
+    concurrency: int = 1
+
+    @property
+    def cell_id(self) -> str:
+        parts = [f"model~{self.model}", f"engine~{self.engine}", f"arm~{self.arm}"]
+        if self.arm in DRAFTING_ARMS:
+            parts.append(f"k~{self.k}")
+        if self.arm in WINDOWED_ARMS:
+            parts += [f"s~{self.sink}", f"w~{self.window}"]
+        parts.append(f"c~{self.concurrency}")
+        return "/".join(parts)
+
+    @property
+    def ring(self) -> bool:
+        return self.arm == "wmtp-ring"
+
+    @classmethod
+    def from_id(cls, study: str, cell_id: str) -> Cell:
+        fields: dict[str, Any] = {"study": study}
+        names = {"model": "model", "engine": "engine", "arm": "arm", "k": "k", "s": "sink",
+                 "w": "window", "c": "concurrency"}
+        for part in cell_id.strip("/").split("/"):
+            key, sep, value = part.partition("~")
+            if not sep or key not in names:
+                raise ConfigError(f"cell id {cell_id!r}: cannot read part {part!r}")
+            fields[names[key]] = value
+        return cls(**fields)
+
+
+def expand_cells(study: Study) -> Iterator[Cell]:
+    """The matrix: models × engines × arms × k × S × W × concurrency, in a stable order."""
+    for model in study.models:
+        for engine in study.engines:
+            for arm in study.arms:
+                ks = arm.k if arm.name in DRAFTING_ARMS else [0]
+                sinks: list[int | None] = list(arm.sink) if arm.name in WINDOWED_ARMS else [None]
+                windows: list[int | None] = list(arm.window) if arm.name in WINDOWED_ARMS else [None]
+                for k in ks:
+                    for sink in sinks:
+                        for window in windows:
+                            for concurrency in study.protocol.concurrency:
+                                yield Cell(study=study.study, model=model.name, engine=engine.name,
+                                           arm=arm.name, k=k, sink=sink, window=window,
+                                           concurrency=concurrency)
+
+
+def _path_of(error_path: Any) -> str:
+    out = "config"
+    for item in error_path:
+        out += f"[{item}]" if isinstance(item, int) else f".{item}"
+    return out
+
+
+def _check_schema(raw: Mapping[str, Any]) -> None:
+    import jsonschema
+
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(raw), key=lambda e: list(e.absolute_path))
+    if errors:
+        first = errors[0]
+        raise ConfigError(f"{_path_of(first.absolute_path)}: {first.message}")
+
+
+def _semantic_checks(raw: Mapping[str, Any], base_dir: Path) -> None:
+    models = raw["models"]
+    seen: set[str] = set()
+    for i, model in enumerate(models):
+        if model["name"] in seen:
+            raise ConfigError(f"config: models[{i}].name {model['name']!r} is used by two models; "
+                              "model names must be unique")
+        seen.add(model["name"])
+        has_path, has_gen = model.get("path") is not None, model.get("generate") is not None
+        if has_path == has_gen:
+            raise ConfigError(f"config: models[{i}] needs exactly one of 'path' or 'generate' "
+                              f"(got path={model.get('path')!r}, generate={model.get('generate')!r})")
+        if has_path:
+            path = Path(model["path"])
+            resolved = path if path.is_absolute() else base_dir / path
+            if not resolved.is_dir():
+                raise ConfigError(f"config: models[{i}].path {model['path']!r} does not exist "
+                                  f"(looked in {resolved}); download the checkpoint there or fix the path")
+    engine_names = [e["name"] for e in raw["engines"]]
+    if len(set(engine_names)) != len(engine_names):
+        raise ConfigError(f"config: engines: two engines share a name ({engine_names})")
+    for i, engine in enumerate(raw["engines"]):
+        source = engine.get("source", "venv")
+        if source == "venv" and not engine.get("packages"):
+            raise ConfigError(f"config: engines[{i}].packages must list the pinned engine package "
+                              f"for source 'venv' (engine {engine['name']!r})")
+        if source == "python" and not engine.get("python"):
+            raise ConfigError(f"config: engines[{i}].python must name an interpreter for source 'python'")
+        if source == "container" and not engine.get("image"):
+            raise ConfigError(f"config: engines[{i}].image must name an image for source 'container'")
+    for i, arm in enumerate(raw["arms"]):
+        name = arm["name"]
+        if name in DRAFTING_ARMS:
+            ks = arm.get("k") or []
+            if not ks:
+                raise ConfigError(f"config: arms[{i}].k must list at least one draft depth for arm {name!r}")
+            for j, k in enumerate(ks):
+                if k < 1:
+                    raise ConfigError(f"config: arms[{i}].k[{j}] must be ≥ 1 for arm {name!r} (got {k})")
+        if name in WINDOWED_ARMS:
+            for key in ("sink", "window"):
+                values = arm.get(key) or []
+                if not values:
+                    raise ConfigError(f"config: arms[{i}].{key} must be given for windowed arm {name!r}")
+            for j, s in enumerate(arm["sink"]):
+                if s < 0:
+                    raise ConfigError(f"config: arms[{i}].sink[{j}] must be ≥ 0 (got {s})")
+            for j, w in enumerate(arm["window"]):
+                if w < 1:
+                    raise ConfigError(f"config: arms[{i}].window[{j}] must be ≥ 1 (got {w})")
+        elif arm.get("sink") or arm.get("window"):
+            raise ConfigError(f"config: arms[{i}]: sink/window only apply to windowed arms, not {name!r}")
+    protocol = raw["protocol"]
+    rungs = protocol["rungs"]
+    repeats = protocol["repeats"]
+    if isinstance(repeats, list) and len(repeats) != len(rungs):
+        raise ConfigError(f"config: protocol.repeats has {len(repeats)} entries but protocol.rungs has "
+                          f"{len(rungs)}; give one per rung or a single number")
+    for j, rep in enumerate(repeats if isinstance(repeats, list) else [repeats]):
+        if rep < 1:
+            key = f"protocol.repeats[{j}]" if isinstance(repeats, list) else "protocol.repeats"
+            raise ConfigError(f"config: {key} must be ≥ 1 (got {rep})")
+    out_tokens = protocol.get("output_tokens", 256)
+    for j, rung in enumerate(rungs):
+        if rung <= 0:
+            raise ConfigError(f"config: protocol.rungs[{j}] must be > 0 (got {rung})")
+        for i, model in enumerate(models):
+            if rung + out_tokens > model["max_model_len"]:
+                raise ConfigError(
+                    f"config: protocol.rungs[{j}] = {rung} plus {out_tokens} output tokens does not fit "
+                    f"below models[{i}].max_model_len = {model['max_model_len']} (model {model['name']!r})")
+
+
+def study_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".") -> Study:
+    """Validate a study mapping (as Snakemake's ``config``) and return it typed."""
+    raw = dict(raw)
+    _check_schema(raw)
+    _semantic_checks(raw, Path(base_dir))
+    protocol = dict(raw["protocol"])
+    if not isinstance(protocol["repeats"], list):
+        protocol["repeats"] = [protocol["repeats"]] * len(protocol["rungs"])
+    raw["protocol"] = protocol
+    return Study.model_validate(raw)
+
+
+def load_study(path: Path | str, overrides: Mapping[str, Any] | None = None,
+               base_dir: Path | str = ".") -> Study:
+    raw = yaml.safe_load(Path(path).read_text())
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: {path} does not hold a mapping")
+    raw.update(overrides or {})
+    return study_from_dict(raw, base_dir)

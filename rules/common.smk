@@ -1,0 +1,66 @@
+# Load and validate the study before anything runs; path helpers shared by every rule file.
+import json
+import sys
+from pathlib import Path
+
+from snakemake.utils import validate
+
+from wmtp.config import ConfigError, study_from_dict
+from wmtp.engines.build import engine_python
+
+
+validate(config, schema="../config/schemas/config.schema.yaml")
+try:
+    STUDY = study_from_dict(config, base_dir=Path.cwd())
+except ConfigError as err:
+    raise WorkflowError(str(err)) from None
+
+PY = sys.executable
+RESULTS = Path(STUDY.results_dir) / STUDY.study
+ENGINES = Path(STUDY.engines_dir)
+MODELS = Path(STUDY.models_dir)
+CELLS = {cell.cell_id: cell for cell in STUDY.cells()}
+
+# The validated study, as the `wmtp` command reads it (Snakemake's --config overrides included).
+RESOLVED_CONFIG = RESULTS / "study.json"
+_resolved = json.dumps(STUDY.model_dump(mode="json"), indent=2, sort_keys=True)
+if not RESOLVED_CONFIG.exists() or RESOLVED_CONFIG.read_text() != _resolved:
+    RESOLVED_CONFIG.parent.mkdir(parents=True, exist_ok=True)
+    RESOLVED_CONFIG.write_text(_resolved)
+
+
+wildcard_constraints:
+    cell=r"model~[^/]+/engine~[^/]+/arm~[^/]+(/k~\d+)?(/s~\d+/w~\d+)?/c~\d+",
+    engine=r"[A-Za-z0-9][A-Za-z0-9._-]*",
+    model=r"[A-Za-z0-9][A-Za-z0-9._-]*",
+
+
+def engine_manifest(engine_name):
+    return ENGINES / engine_name / "manifest.json"
+
+
+def engine_python_of(engine_name):
+    return engine_python(STUDY.engine(engine_name), ENGINES / engine_name)
+
+
+def model_files(model_name):
+    """What a cell needs of its model: generated models are rule outputs, local ones must exist."""
+    if STUDY.model(model_name).generate:
+        return [MODELS / model_name / "config.json", MODELS / model_name / "tokenizer.json"]
+    return []
+
+
+def cell_dir(cell_id):
+    return RESULTS / "raw" / cell_id
+
+
+def cell_manifests():
+    return [cell_dir(cell_id) / "manifest.json" for cell_id in CELLS]
+
+
+def tidy_tables():
+    return [RESULTS / "tidy" / f"{name}.parquet" for name in ("requests", "rungs", "positions")]
+
+
+def all_targets():
+    return [RESULTS / "report" / "index.html"]

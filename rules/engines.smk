@@ -1,0 +1,14 @@
+# Engine environments: a pinned venv per engine with wmtp installed into it, self-checked.
+
+
+rule engine:
+    output:
+        ENGINES / "{engine}" / "manifest.json",
+    log:
+        ENGINES / "{engine}" / "build.snakemake.log",
+    params:
+        config=RESOLVED_CONFIG,
+    localrule: True
+    shell:
+        "{PY} -m wmtp --log {log} engine-build --config {params.config} "
+        "--engine {wildcards.engine} --out {output}"

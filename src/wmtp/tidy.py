@@ -1,0 +1,127 @@
+"""Raw cell files → tidy tables (requests, rungs, positions) with the Spark study's derived quantities."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from wmtp import analysis
+
+log = logging.getLogger(__name__)
+
+CELL_KEYS = ["study", "cell_id", "model", "engine", "arm", "k", "sink", "window", "concurrency"]
+
+
+def _cell_keys(manifest: dict) -> dict:
+    cell = manifest["cell"]
+    return {"study": manifest["study"], "cell_id": manifest["cell_id"], "model": cell["model"],
+            "engine": cell["engine"], "arm": cell["arm"], "k": int(cell.get("k") or 0),
+            "sink": cell.get("sink"), "window": cell.get("window"),
+            "concurrency": int(cell.get("concurrency") or 1)}
+
+
+def request_table(cell_dir: Path) -> pd.DataFrame:
+    manifest = json.loads((cell_dir / "manifest.json").read_text())
+    frame = pd.read_parquet(cell_dir / "requests.parquet")
+    frame = frame[~frame["warmup"]].copy()
+    for key, value in _cell_keys(manifest).items():
+        frame[key] = value
+    frame["decode_tok_s"] = [analysis.decode_tok_s(c, e, t) for c, e, t in
+                             zip(frame["completion_tokens"], frame["e2e_s"], frame["ttft_s"], strict=True)]
+    frame["prefill_tok_s"] = [analysis.prefill_tok_s(p, t) for p, t in
+                              zip(frame["prompt_tokens"], frame["ttft_s"], strict=True)]
+    frame["tok_per_j"] = [(c - 1) / e if e is not None and not pd.isna(e) and e > 0 else np.nan
+                          for c, e in zip(frame["completion_tokens"], frame["energy_decode_j"], strict=True)]
+    frame["power_status"] = manifest.get("power_status", "unavailable")
+    return frame
+
+
+def counter_deltas(cell_dir: Path) -> pd.DataFrame:
+    """One row per rung with one column per counter delta."""
+    frame = pd.read_parquet(cell_dir / "counters.parquet")
+    if frame.empty:
+        return pd.DataFrame(columns=["rung"])
+    return frame.pivot_table(index="rung", columns="counter", values="delta", aggfunc="sum").reset_index()
+
+
+def _sum_or_nan(values: pd.Series) -> float:
+    values = pd.to_numeric(values, errors="coerce")
+    return float(values.sum()) if values.notna().all() and len(values) else math.nan
+
+
+def rung_table(requests: pd.DataFrame, deltas: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    for keys, group in requests.groupby(CELL_KEYS + ["rung"], dropna=False, sort=True):
+        row = dict(zip(CELL_KEYS + ["rung"], keys, strict=True))
+        rung = row["rung"]
+        d = deltas[deltas["rung"] == rung]
+        get = (lambda name, _d=d: float(_d[name].iloc[0]) if name in _d and len(_d) else 0.0)
+        d_drafts, d_draft_tokens, d_accepted = get("drafts"), get("draft_tokens"), get("accepted")
+        decode = float(group["decode_tok_s"].median())
+        tpv = 1.0 if row["arm"] == "none" else analysis.tok_per_verify(d_accepted, d_drafts)
+        energy = _sum_or_nan(group["energy_decode_j"])
+        window_s = _sum_or_nan(group["decode_s"])
+        generated = float((group["completion_tokens"] - 1).sum())
+        row.update(
+            n_repeats=int(group["repeat"].nunique()),
+            prompt_tokens=int(group["prompt_tokens"].median()),
+            decode_tok_s=decode,
+            decode_tok_s_mean=float(group["decode_tok_s"].mean()),
+            decode_tok_s_sem=float(group["decode_tok_s"].sem()) if len(group) > 1 else math.nan,
+            ttft_s=float(group["ttft_s"].median()),
+            prefill_tok_s=float(group["prefill_tok_s"].median()),
+            d_drafts=d_drafts, d_draft_tokens=d_draft_tokens, d_accepted=d_accepted,
+            tok_per_verify=tpv,
+            acceptance_rate=(math.nan if row["arm"] == "none"
+                             else analysis.acceptance_rate(d_accepted, d_draft_tokens)),
+            cycle_ms=analysis.cycle_ms(tpv, decode),
+            energy_decode_j=energy,
+            decode_window_s=window_s,
+            tok_per_j=generated / energy if energy and not math.isnan(energy) and energy > 0 else math.nan,
+            power_w=energy / window_s if not math.isnan(energy) and window_s > 0 else math.nan,
+            power_status=str(group["power_status"].iloc[0]),
+        )
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def position_table(rungs: pd.DataFrame, deltas_by_cell: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    rows = []
+    for _, rung in rungs.iterrows():
+        if rung["arm"] == "none":
+            continue
+        d = deltas_by_cell[rung["cell_id"]]
+        d = d[d["rung"] == rung["rung"]]
+        for column in sorted(c for c in d.columns if str(c).startswith("accepted_pos_")):
+            pos = int(str(column).rsplit("_", 1)[1])
+            value = float(d[column].iloc[0])
+            rows.append({**{k: rung[k] for k in CELL_KEYS}, "rung": rung["rung"], "position": pos,
+                         "d_accepted_pos": value, "rate": analysis.position_rate(value, rung["d_drafts"])})
+    columns = [*CELL_KEYS, "rung", "position", "d_accepted_pos", "rate"]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def collect(cell_dirs: list[Path], out_dir: Path) -> dict[str, pd.DataFrame]:
+    """Read every complete cell and write requests/rungs/positions parquet files into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    requests, rungs, deltas_by_cell = [], [], {}
+    for cell_dir in cell_dirs:
+        if not (cell_dir / "manifest.json").exists():
+            raise FileNotFoundError(f"{cell_dir} has no manifest.json: the cell did not complete")
+        req = request_table(cell_dir)
+        deltas = counter_deltas(cell_dir)
+        deltas_by_cell[req["cell_id"].iloc[0]] = deltas
+        requests.append(req)
+        rungs.append(rung_table(req, deltas))
+        log.info("collected %s (%d requests)", cell_dir, len(req))
+    tables = {"requests": pd.concat(requests, ignore_index=True),
+              "rungs": pd.concat(rungs, ignore_index=True)}
+    tables["positions"] = position_table(tables["rungs"], deltas_by_cell)
+    for name, frame in tables.items():
+        frame.to_parquet(out_dir / f"{name}.parquet", index=False)
+    return tables

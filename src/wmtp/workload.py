@@ -1,0 +1,120 @@
+"""Prompts of an exact token length, cut from real text (Python standard-library source).
+
+Seed 000's workload is a coding agent with files pasted in; the standard library is real code that
+ships with every Python, so the embedded default needs nothing downloaded. Lengths are converged on
+or refused (after inference-perf's converge_to_exact_length_text), never approximate, and the cell
+later checks them against the server's own ``usage.prompt_tokens``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+_SKIP_PARTS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+class PromptLengthError(RuntimeError):
+    """No cut of the text re-tokenises to exactly the requested length."""
+
+
+def corpus_files(stdlib: Path | None = None) -> Iterator[Path]:
+    """Standard-library ``.py`` files in a stable order."""
+    root = stdlib or Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        if not _SKIP_PARTS.intersection(path.relative_to(root).parts):
+            yield path
+
+
+@dataclass(frozen=True)
+class Corpus:
+    text: str
+    digest: str
+
+
+@lru_cache(maxsize=2)
+def load_corpus(max_chars: int = 16_000_000) -> Corpus:
+    """The files joined with a header line each, as a coding agent pastes them."""
+    parts: list[str] = []
+    total = 0
+    for path in corpus_files():
+        chunk = f"# file: {path.name}\n{path.read_text(encoding='utf-8', errors='replace')}\n"
+        parts.append(chunk)
+        total += len(chunk)
+        if total >= max_chars:
+            break
+    text = "".join(parts)
+    return Corpus(text=text, digest=hashlib.sha256(text.encode()).hexdigest()[:16])
+
+
+TokenCounter = Callable[[str], list[int]]
+
+
+def exact_length_text(encode: TokenCounter, decode: Callable[[list[int]], str], source: str,
+                      n_tokens: int, max_tries: int = 64) -> str:
+    """A prefix of ``source`` that encodes to exactly ``n_tokens`` tokens, or PromptLengthError.
+
+    Cutting token ids and decoding can re-merge across the cut, so the candidate cut point moves
+    around ``n_tokens`` until the re-encoded length matches.
+    """
+    if n_tokens <= 0:
+        raise ValueError(f"n_tokens must be > 0 (got {n_tokens})")
+    ids = encode(source)
+    if len(ids) < n_tokens + max_tries:
+        raise PromptLengthError(f"source text holds only {len(ids)} tokens; {n_tokens} requested")
+    offsets = [0]
+    for step in range(1, max_tries):
+        offsets += [step, -step]
+    for offset in offsets[:max_tries]:
+        cut = n_tokens + offset
+        if cut <= 0:
+            continue
+        candidate = decode(ids[:cut])
+        if len(encode(candidate)) == n_tokens:
+            return candidate
+    raise PromptLengthError(f"no cut near {n_tokens} tokens re-encodes to exactly {n_tokens} tokens "
+                            f"after {max_tries} tries")
+
+
+class PromptFactory:
+    """Exact-length prompts that share no prefix with each other: each starts at its own offset."""
+
+    def __init__(self, tokenizer_json: Path, corpus: Corpus | None = None, chars_per_token: float = 4.0):
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_json))
+        self.corpus = corpus or load_corpus()
+        self.chars_per_token = chars_per_token
+
+    def encode(self, text: str) -> list[int]:
+        # Count as the server does for a completion: with the tokenizer's own special tokens.
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _slice(self, start: int, n_chars: int) -> str:
+        text = self.corpus.text
+        start %= len(text)
+        piece = text[start:start + n_chars]
+        while len(piece) < n_chars:  # wrap around a short corpus
+            piece += text[: n_chars - len(piece)]
+        return piece
+
+    def prompt(self, n_tokens: int, index: int, salt: str = "measure") -> str:
+        """Prompt number ``index`` of exactly ``n_tokens`` tokens; distinct (index, salt) → distinct start."""
+        start = int(hashlib.sha256(f"{salt}:{index}".encode()).hexdigest()[:12], 16)
+        n_chars = int((n_tokens + 256) * self.chars_per_token)
+        for _ in range(6):
+            source = self._slice(start, n_chars)
+            try:
+                return exact_length_text(self.encode, self.decode, source, n_tokens)
+            except PromptLengthError as err:
+                if "holds only" not in str(err):
+                    raise
+                n_chars *= 2
+        raise PromptLengthError(f"could not gather {n_tokens} tokens of text")

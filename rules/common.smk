@@ -23,7 +23,7 @@ CELLS = {cell.cell_id: cell for cell in STUDY.cells()}
 
 # The validated study, as the `wmtp` command reads it (Snakemake's --config overrides included).
 RESOLVED_CONFIG = RESULTS / "study.json"
-_resolved = json.dumps(STUDY.model_dump(mode="json"), indent=2, sort_keys=True)
+_resolved = json.dumps(STUDY.model_dump(mode="json", exclude_none=True), indent=2, sort_keys=True)
 if not RESOLVED_CONFIG.exists() or RESOLVED_CONFIG.read_text() != _resolved:
     RESOLVED_CONFIG.parent.mkdir(parents=True, exist_ok=True)
     RESOLVED_CONFIG.write_text(_resolved)

@@ -26,7 +26,7 @@ import httpx
 from wmtp import counters as counters_mod
 from wmtp.client import Completion, complete
 from wmtp.config import REPO_ROOT, Cell, Study
-from wmtp.engines import vllm as vllm_adapter
+from wmtp.engines import adapter
 from wmtp.power import EnergyWindow, PowerMeter, open_meter
 from wmtp.server import ServerProcess, free_port
 from wmtp.workload import PromptFactory
@@ -85,7 +85,15 @@ def _request_row(cell: Cell, rung: int, repeat: int, slot: int, warmup: bool, re
         "energy_prefill_j": prefill.energy_j if prefill else None,
         "energy_decode_j": decode.energy_j if decode else None,
         "decode_window_s": decode.duration_s if decode else None,
+        "token_ids": result.token_ids or None,
+        "top2_gap": [_top2_gap(top) for top in result.top_logprobs] or None,
     }
+
+
+def _top2_gap(top: dict[int, float]) -> float:
+    """Logprob gap between the two best candidates: small means a near-tie that numerics may flip."""
+    best = sorted(top.values(), reverse=True)
+    return best[0] - best[1] if len(best) > 1 else float("inf")
 
 
 def _measure(run: CellRun, meter: PowerMeter, base_url: str, served: str, prompts: list[str], rung: int,
@@ -109,11 +117,12 @@ def _measure(run: CellRun, meter: PowerMeter, base_url: str, served: str, prompt
                 meter.begin_window(name + "/prefill")
             results[slot] = complete(base_url, served, prompts[slot], max_tokens,
                                      temperature=run.protocol.temperature,
+                                     logprobs=2 if run.protocol.record_tokens else None,
                                      timeout_s=run.protocol.request_timeout_s, on_first_token=first_token,
                                      client=client)
             if per_request_windows:
                 windows[slot] = (prefill_w[0], meter.end_window(name + "/decode"))
-        except BaseException as err:  # noqa: BLE001 - re-raised below in the caller's thread
+        except BaseException as err:
             results[slot] = err
 
     threads = [threading.Thread(target=one, args=(slot,), daemon=True) for slot in range(len(prompts))]
@@ -141,12 +150,9 @@ def _measure(run: CellRun, meter: PowerMeter, base_url: str, served: str, prompt
     return rows
 
 
-def _snapshot(base_url: str) -> dict[str, float]:
-    return counters_mod.vllm_spec_counters(counters_mod.fetch_metrics(base_url))
-
-
 def _sweep(run: CellRun, meter: PowerMeter, base_url: str, served: str, factory: PromptFactory) -> None:
     protocol = run.protocol
+    engine = adapter(run.study.engine(run.cell.engine).kind)
     c = run.cell.concurrency
     client = httpx.Client(timeout=httpx.Timeout(protocol.request_timeout_s, connect=10.0),
                           limits=httpx.Limits(max_connections=max(4, 2 * c)))
@@ -160,7 +166,7 @@ def _sweep(run: CellRun, meter: PowerMeter, base_url: str, served: str, factory:
             log.info("rung %d tokens: building %d prompt(s)", rung, repeats * c)
             prompts = [[factory.prompt(rung, rep * c + slot, salt=f"measure/{rung}") for slot in range(c)]
                        for rep in range(repeats)]
-            before = _snapshot(base_url)
+            before = engine.read_counters(base_url)
             t_before = time.time()
             rung_window = f"rung{rung}"
             if meter.available:
@@ -174,7 +180,7 @@ def _sweep(run: CellRun, meter: PowerMeter, base_url: str, served: str, factory:
                          rows[0]["ttft_s"], sum(tok_s) / max(len(tok_s), 1))
             if meter.available:
                 run.windows.append(meter.end_window(rung_window))
-            after = _snapshot(base_url)
+            after = engine.read_counters(base_url)
             t_after = time.time()
             d = counters_mod.delta(before, after)
             for name in sorted(set(before) | set(after)):
@@ -210,11 +216,12 @@ def run_cell(run: CellRun) -> Path:
     base_url = f"http://127.0.0.1:{port}"
     served = cell.model
     python = run.engine_manifest["python"]
-    argv = vllm_adapter.serve_argv(python, run.model_dir, served, port, max_model_len=model.max_model_len,
+    engine = adapter(spec.kind)
+    argv = engine.serve_argv(python, run.model_dir, served, port, max_model_len=model.max_model_len,
                                    arm=cell.arm, k=cell.k, sink=cell.sink, window=cell.window,
                                    engine_args=spec.serve_args, model_args=model.serve_args)
-    env = vllm_adapter.server_env(spec.env, work.resolve())
-    server = ServerProcess(argv, env, staging / "server.log", base_url, vllm_adapter.HEALTH_PATH)
+    env = engine.server_env(spec.env, work.resolve())
+    server = ServerProcess(argv, env, staging / "server.log", base_url, engine.HEALTH_PATH)
     meter = open_meter(run.gpu_index)
     manifest: dict[str, Any] = {
         "cell": cell.model_dump(mode="json"), "cell_id": cell.cell_id, "study": study.study,
@@ -243,6 +250,7 @@ def run_cell(run: CellRun) -> Path:
             log.info("cell %s: starting %s on port %d", cell.cell_id, spec.name, port)
             server.start()
             manifest["server_pid"] = server.pid
+            log.info("server pid %d (process group %d)", server.pid, server.pid)
             healthy_s = server.wait_healthy(study.protocol.health_timeout_s)
             manifest["server_ready_s"] = round(healthy_s, 1)
             log.info("server healthy after %.0f s", healthy_s)

@@ -116,5 +116,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        logging.getLogger("wmtp").error("%s", err)
         return 2

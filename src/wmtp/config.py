@@ -82,6 +82,8 @@ class ProtocolSpec(_Strict):
     request_timeout_s: float = 3600.0
     idle_baseline_s: float = 0.0
     workload: Literal["code"] = "code"
+    # Ask for token ids and top-2 logprobs of every generated token (for equality tests; adds overhead).
+    record_tokens: bool = False
 
 
 class Study(_Strict):

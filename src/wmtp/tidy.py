@@ -56,12 +56,11 @@ def _sum_or_nan(values: pd.Series) -> float:
 
 def rung_table(requests: pd.DataFrame, deltas: pd.DataFrame) -> pd.DataFrame:
     rows = []
-    for keys, group in requests.groupby(CELL_KEYS + ["rung"], dropna=False, sort=True):
-        row = dict(zip(CELL_KEYS + ["rung"], keys, strict=True))
-        rung = row["rung"]
-        d = deltas[deltas["rung"] == rung]
-        get = (lambda name, _d=d: float(_d[name].iloc[0]) if name in _d and len(_d) else 0.0)
-        d_drafts, d_draft_tokens, d_accepted = get("drafts"), get("draft_tokens"), get("accepted")
+    for keys, group in requests.groupby([*CELL_KEYS, "rung"], dropna=False, sort=True):
+        row = dict(zip([*CELL_KEYS, "rung"], keys, strict=True))
+        d = deltas[deltas["rung"] == row["rung"]]
+        d_drafts, d_draft_tokens, d_accepted = (float(d[name].iloc[0]) if name in d and len(d) else 0.0
+                                                for name in ("drafts", "draft_tokens", "accepted"))
         decode = float(group["decode_tok_s"].median())
         tpv = 1.0 if row["arm"] == "none" else analysis.tok_per_verify(d_accepted, d_drafts)
         energy = _sum_or_nan(group["energy_decode_j"])

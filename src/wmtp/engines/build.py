@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from wmtp.config import REPO_ROOT, EngineSpec
-from wmtp.engines import vllm as vllm_adapter
+from wmtp.engines import adapter
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,8 @@ def _find_base_python(version: str) -> str:
 
 def probe(python: str, spec: EngineSpec) -> dict:
     """Import the engine inside its environment; check plugin entry point and hook points."""
-    if spec.kind != "vllm":
-        raise EngineBuildError(f"engine kind {spec.kind!r} has no probe here")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), **spec.env}
-    proc = subprocess.run([python, "-c", vllm_adapter.VERSION_PROBE], capture_output=True, text=True,
+    proc = subprocess.run([python, "-c", adapter(spec.kind).VERSION_PROBE], capture_output=True, text=True,
                           env=env, check=False, timeout=600)
     for line in proc.stdout.splitlines():
         if line.startswith("WMTP-PROBE "):
@@ -77,6 +75,7 @@ def probe(python: str, spec: EngineSpec) -> dict:
 
 def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False) -> dict:
     """Make the engine environment usable and return its manifest (also written to engine_dir)."""
+    engine_dir = engine_dir.resolve()
     engine_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = engine_dir / MANIFEST
     want = spec_hash(spec)

@@ -64,6 +64,13 @@ def server_env(engine_env: Mapping[str, str], work_dir: Path) -> dict[str, str]:
     return env
 
 
+def read_counters(base_url: str) -> dict[str, float]:
+    """Cumulative spec-decode counters of a running server (short names, see wmtp.counters)."""
+    from wmtp import counters
+
+    return counters.vllm_spec_counters(counters.fetch_metrics(base_url))
+
+
 VERSION_PROBE = (
     "import json, importlib.metadata as md, sys\n"
     "import torch, vllm\n"

@@ -1,0 +1,34 @@
+# Two entry points for a fresh clone: `make run` (the embedded study) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BASE_PYTHON ?= $(shell command -v python3.11 || command -v python3)
+# The replica's CPU tests need torch; pinned so pip takes the CPU wheel where one is on disk.
+TORCH ?= torch==2.13.0
+ENGINE_MANIFEST := results/engines/vllm-cpu/manifest.json
+
+.PHONY: run test engine lint clean-results
+
+$(VENV)/.installed: pyproject.toml
+	$(BASE_PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -U pip
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+run: $(VENV)/.installed
+	$(VENV)/bin/snakemake
+	@echo
+	@echo "report: $(CURDIR)/results/embedded/report/index.html"
+
+engine: $(VENV)/.installed
+	$(VENV)/bin/snakemake $(ENGINE_MANIFEST)
+
+test: $(VENV)/.installed engine
+	$(VENV)/bin/pytest
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/snakemake --lint
+
+clean-results:
+	rm -rf results/embedded

@@ -1,0 +1,173 @@
+"""The embedded study end to end through Snakemake against the real vLLM CPU server.
+
+One module-scoped run does everything the foundation promises and the tests below read its results:
+the engine (reused from WMTP_ENGINES_DIR, built if missing), the tiny model, the none and mtp cells,
+a server killed mid-rung (failure.json, no success outputs), a rerun that redoes only that cell,
+collect, and the HTML report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from wmtp.equality import equal_up_to_numerics
+from wmtp.server import group_alive
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINES = Path(os.environ.get("WMTP_ENGINES_DIR", REPO / "results" / "engines")).resolve()
+RUNGS = [256, 1024]
+NEAR_TIE_EPS = 0.05
+
+
+def _snakemake(workdir_config: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "snakemake", "--cores", "2", "--resources", "gpu=1", "--nolock",
+            "--configfile", str(workdir_config), *extra]
+
+
+def _wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"snakemake exited ({proc.returncode}) while waiting for {what}")
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipeline")
+    raw = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    raw.update(results_dir=str(tmp / "results"), engines_dir=str(ENGINES), models_dir=str(tmp / "models"))
+    raw["protocol"].update(rungs=RUNGS, repeats=2, output_tokens=24, warmup_requests=1, record_tokens=True)
+    study_file = tmp / "study.yaml"
+    study_file.write_text(yaml.safe_dump(raw))
+    results = tmp / "results" / "embedded"
+    logs = results / "logs" / "cells"
+    cells = ["model~tiny/engine~vllm-cpu/arm~none/c~1", "model~tiny/engine~vllm-cpu/arm~mtp/k~3/c~1"]
+    first_log = tmp / "snakemake-1.log"
+    with first_log.open("w") as out:
+        proc = subprocess.Popen(_snakemake(study_file), cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            # The cell that runs second gets its server killed in the middle of its last rung.
+            done = _wait_for(lambda: [c for c in cells if (results / "raw" / c / "manifest.json").exists()],
+                             1500, "the first cell to finish", proc)
+            victim = next(c for c in cells if c not in done)
+            victim_log = logs / f"{victim}.log"
+            text = _wait_for(lambda: victim_log.exists() and f"rung {RUNGS[-1]} repeat 1/" in victim_log.read_text()
+                             and victim_log.read_text(), 900, "the victim's last rung", proc)
+            pgid = int(re.search(r"server pid (\d+)", text).group(1))
+            os.killpg(pgid, signal.SIGKILL)
+            first_rc = proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    victim_dir = results / "raw" / victim
+    survivor_manifest = results / "raw" / done[0] / "manifest.json"
+    facts = {
+        "first_rc": first_rc, "victim": victim, "survivor": done[0], "pgid": pgid,
+        "failure": json.loads((victim_dir / "failure.json").read_text()),
+        "victim_files_after_kill": sorted(p.name for p in victim_dir.iterdir()),
+        "group_alive_after_kill": group_alive(pgid),
+        "survivor_mtime": survivor_manifest.stat().st_mtime,
+    }
+    second = subprocess.run(_snakemake(study_file), cwd=REPO, capture_output=True, text=True, timeout=1500)
+    facts.update(second_rc=second.returncode, second_out=second.stdout + second.stderr,
+                 survivor_mtime_after=survivor_manifest.stat().st_mtime)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    return {"tmp": tmp, "results": results, "cells": cells, "facts": facts}
+
+
+def test_killed_server_leaves_failure_and_rerun_redoes_only_that_cell(pipeline):
+    facts = pipeline["facts"]
+    assert facts["first_rc"] != 0
+    assert facts["failure"]["cell_id"] == facts["victim"]
+    assert facts["failure"]["message"]
+    for success in ("manifest.json", "requests.parquet", "counters.parquet"):
+        assert success not in facts["victim_files_after_kill"]
+    assert not facts["group_alive_after_kill"]
+    # The rerun ran exactly one cell, and left the finished one alone.
+    assert re.search(r"^cell\s+1$", facts["second_out"], re.MULTILINE), facts["second_out"][-2000:]
+    assert facts["survivor_mtime"] == facts["survivor_mtime_after"]
+    assert not (pipeline["results"] / "raw" / facts["victim"] / "failure.json").exists()
+
+
+def test_raw_files_and_manifest(pipeline):
+    for cell in pipeline["cells"]:
+        cell_dir = pipeline["results"] / "raw" / cell
+        manifest = json.loads((cell_dir / "manifest.json").read_text())
+        assert manifest["cell_id"] == cell
+        assert manifest["engine"]["versions"]["vllm"].startswith("0.32")
+        assert manifest["power_status"] == "unavailable"
+        assert "--speculative-config" in manifest["argv"] or "arm~none" in cell
+        requests = pd.read_parquet(cell_dir / "requests.parquet")
+        measured = requests[~requests["warmup"]]
+        assert sorted(measured["rung"].unique()) == RUNGS
+        assert (measured["prompt_tokens"] == measured["rung"]).all()
+        assert (measured["completion_tokens"] == 24).all()
+        assert (measured["ttft_s"] > 0).all() and (measured["e2e_s"] > measured["ttft_s"]).all()
+        assert requests["warmup"].sum() == 1
+
+
+def test_counter_invariants(pipeline):
+    for cell in pipeline["cells"]:
+        counters = pd.read_parquet(pipeline["results"] / "raw" / cell / "counters.parquet")
+        for rung, group in counters.groupby("rung"):
+            d = dict(zip(group["counter"], group["delta"], strict=True))
+            positions = sum(v for k, v in d.items() if k.startswith("accepted_pos_"))
+            if "arm~none" in cell:
+                assert d["drafts"] == d["draft_tokens"] == d["accepted"] == 0, (rung, d)
+                continue
+            assert d["drafts"] > 0
+            assert d["draft_tokens"] == 3 * d["drafts"], (rung, d)
+            assert 0 <= d["accepted"] <= d["draft_tokens"]
+            assert positions == d["accepted"]
+
+
+def test_mtp_greedy_output_equals_none_up_to_numerics(pipeline):
+    frames = {}
+    for cell in pipeline["cells"]:
+        frame = pd.read_parquet(pipeline["results"] / "raw" / cell / "requests.parquet")
+        frames[cell] = frame[~frame["warmup"]].set_index(["rung", "repeat", "slot"])
+    none, mtp = (frames[c] for c in pipeline["cells"])
+    compared = 0
+    for key, ref in none.iterrows():
+        verdict = equal_up_to_numerics(list(ref["token_ids"]), list(ref["top2_gap"]),
+                                       list(mtp.loc[key, "token_ids"]), eps=NEAR_TIE_EPS)
+        assert verdict.equal, f"{key}: {verdict.reason}"
+        compared += 1
+    assert compared == 2 * len(RUNGS)
+
+
+def test_tidy_tables_and_report(pipeline):
+    rungs = pd.read_parquet(pipeline["results"] / "tidy" / "rungs.parquet")
+    assert set(rungs["arm"]) == {"none", "mtp"}
+    assert (rungs.loc[rungs["arm"] == "none", "tok_per_verify"] == 1.0).all()
+    mtp = rungs[rungs["arm"] == "mtp"]
+    assert (mtp["tok_per_verify"] >= 1.0).all() and (mtp["tok_per_verify"] <= 4.0).all()
+    assert (rungs["cycle_ms"] > 0).all() and (rungs["decode_tok_s"] > 0).all()
+    positions = pd.read_parquet(pipeline["results"] / "tidy" / "positions.parquet")
+    assert sorted(positions["position"].unique()) == [0, 1, 2]
+    html = (pipeline["results"] / "report" / "index.html").read_text()
+    assert html.count("<img") >= 2
+    assert "not measured" in html
+
+
+def test_no_server_left_behind(pipeline):
+    left = subprocess.run(["pgrep", "-f", str(pipeline["tmp"] / "models")], capture_output=True, text=True)
+    assert left.stdout.strip() == "", f"servers still running: {left.stdout}"

@@ -1,0 +1,146 @@
+"""Does the installed vLLM still have the hook points the wmtp plugin patches?
+
+Runs inside the engine environment (the engine build's self-check):
+
+    python -c "from wmtp.engines.vllm_hooks import check_hook_points; import json; \\
+               print(json.dumps(check_hook_points()))"
+
+By default it reads vLLM's source with ``ast`` instead of importing it (importing the proposer module
+pulls in torch and most of vLLM: ~15 s on a small CPU box); ``deep=True`` imports the module and
+checks the live objects as the plugin will see them. Either way a missing hook point raises
+``HookPointError`` naming the missing attribute and the vLLM version.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as md
+import importlib.util
+from pathlib import Path
+
+from wmtp.plugin import hookpoints as hp
+from wmtp.plugin.hookpoints import HookPointError
+
+
+def _vllm_root() -> Path:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise HookPointError("vllm is not importable in this Python; the wmtp plugin needs vLLM")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _module_tree(root: Path, module: str, version: str) -> tuple[Path, ast.Module]:
+    path = root.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    if not path.exists():
+        raise HookPointError(f"vLLM {version} has no module {module} (looked for {path}); the wmtp plugin "
+                             "patches it")
+    return path, ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def _class(tree: ast.Module, name: str, module: str, version: str) -> ast.ClassDef:
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    raise HookPointError(f"vLLM {version}: {module} has no class {name}; the wmtp plugin patches it")
+
+
+def _method(cls: ast.ClassDef, name: str, module: str, version: str) -> ast.FunctionDef:
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    raise HookPointError(f"vLLM {version}: {module}.{cls.name} has no method {name}; the wmtp plugin "
+                         "patches it")
+
+
+def _calls_to(func: ast.FunctionDef, attr: str) -> int:
+    return sum(1 for node in ast.walk(func)
+               if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+               and node.func.attr == attr)
+
+
+def _check_params(params: list[str], version: str) -> None:
+    where = f"{hp.PROPOSER_MODULE}.{hp.PROPOSER_CLASS}.{hp.BUILD_METHOD}"
+    if tuple(params[: len(hp.BUILD_PARAMS)]) != hp.BUILD_PARAMS:
+        raise HookPointError(f"vLLM {version}: {where} takes {params}, the wmtp plugin expects "
+                             f"{list(hp.BUILD_PARAMS)} first")
+
+
+def _check_fields(fields: set[str], version: str) -> None:
+    missing = [name for name in hp.METADATA_FIELDS if name not in fields]
+    if missing:
+        raise HookPointError(f"vLLM {version}: {hp.METADATA_MODULE}.{hp.METADATA_CLASS} has no field "
+                             f"{missing[0]} (missing: {missing}); the wmtp plugin replaces it")
+
+
+def _plugin_entry_points() -> list[str]:
+    return sorted(ep.value for ep in md.entry_points(group="vllm.general_plugins") if ep.name == "wmtp")
+
+
+def check_hook_points(deep: bool = False) -> dict:
+    """What the plugin hooks in the installed vLLM, as a JSON-able dict; raises HookPointError if absent."""
+    version = hp.vllm_version()
+    root = _vllm_root()
+    proposer_path, proposer_tree = _module_tree(root, hp.PROPOSER_MODULE, version)
+    proposer = _class(proposer_tree, hp.PROPOSER_CLASS, hp.PROPOSER_MODULE, version)
+    build = _method(proposer, hp.BUILD_METHOD, hp.PROPOSER_MODULE, version)
+    params = [a.arg for a in build.args.args[1:]]
+    _check_params(params, version)
+    propose = _method(proposer, hp.PROPOSE_METHOD, hp.PROPOSER_MODULE, version)
+    calls = _calls_to(propose, hp.BUILD_METHOD)
+    if calls < 2:
+        raise HookPointError(f"vLLM {version}: {hp.PROPOSER_CLASS}.{hp.PROPOSE_METHOD} calls "
+                             f"{hp.BUILD_METHOD} {calls} time(s), the wmtp plugin expects the first pass "
+                             "and the draft-step loop to build through it")
+    metadata_path, metadata_tree = _module_tree(root, hp.METADATA_MODULE, version)
+    metadata = _class(metadata_tree, hp.METADATA_CLASS, hp.METADATA_MODULE, version)
+    fields = {node.target.id for node in metadata.body
+              if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    _check_fields(fields, version)
+
+    # Proposers that override the method bypass the wrapper; the plugin refuses them when configured.
+    overriding = []
+    for path in sorted(proposer_path.parent.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.ClassDef) and node.name != hp.PROPOSER_CLASS
+                    and any(isinstance(f, ast.FunctionDef) and f.name == hp.BUILD_METHOD for f in node.body)):
+                overriding.append(f"{path.stem}.{node.name}")
+
+    found = {
+        "vllm_version": version,
+        "vllm_path": str(root),
+        "mode": "deep" if deep else "source",
+        "proposer": f"{hp.PROPOSER_MODULE}.{hp.PROPOSER_CLASS}",
+        "proposer_file": str(proposer_path),
+        "method": hp.BUILD_METHOD,
+        "method_params": params,
+        "method_line": build.lineno,
+        "calls_in_propose": calls,
+        "metadata": f"{hp.METADATA_MODULE}.{hp.METADATA_CLASS}",
+        "metadata_file": str(metadata_path),
+        "metadata_fields": list(hp.METADATA_FIELDS),
+        "proposers_overriding_method": overriding,
+        "plugin_entry_points": _plugin_entry_points(),
+    }
+    if deep:
+        found.update(_deep_check(version))
+    return found
+
+
+def _deep_check(version: str) -> dict:
+    """Import the proposer module and check the live objects (slow: imports torch and vLLM)."""
+    import dataclasses
+    import importlib
+    import inspect
+
+    module = importlib.import_module(hp.PROPOSER_MODULE)
+    cls = getattr(module, hp.PROPOSER_CLASS, None)
+    if cls is None:
+        raise HookPointError(f"vLLM {version}: {hp.PROPOSER_MODULE} has no class {hp.PROPOSER_CLASS}")
+    method = getattr(cls, hp.BUILD_METHOD, None)
+    if method is None:
+        raise HookPointError(f"vLLM {version}: {hp.PROPOSER_CLASS} has no method {hp.BUILD_METHOD}")
+    _check_params(list(inspect.signature(method).parameters)[1:], version)
+    metadata_cls = getattr(importlib.import_module(hp.METADATA_MODULE), hp.METADATA_CLASS)
+    _check_fields({f.name for f in dataclasses.fields(metadata_cls)}, version)
+    return {"patched": bool(getattr(method, "__wmtp_original__", None))}

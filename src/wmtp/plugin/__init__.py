@@ -1,0 +1,74 @@
+"""Windowed-MTP inside vLLM: the draft attends to an attention sink of S tokens + the last W tokens.
+
+Loaded by vLLM through the ``vllm.general_plugins`` entry point (``wmtp = "wmtp.plugin:register"``)
+in every vLLM process: API server, EngineCore and workers. ``register()`` only installs an import hook:
+the proposer module (``vllm.v1.spec_decode.llm_base_proposer``) is patched when it is first imported,
+which happens in the worker only. The patched proposer reads its settings from
+``--additional-config '{"wmtp": {"sink": S, "window": W, "ring": false}}'`` and does nothing when that
+key is absent. The target still verifies with full context, so the output is unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from types import ModuleType
+
+from wmtp.plugin.hookpoints import PROPOSER_MODULE
+
+_registered = False
+
+
+def _on_import(module: ModuleType) -> None:
+    from wmtp.plugin import hook
+
+    hook.patch(module)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs the real loader, then patches the module before anyone can use it."""
+
+    def __init__(self, inner: importlib.abc.Loader):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        _on_import(module)
+
+    def __getattr__(self, name: str):  # get_source, get_code, ... for inspect and linecache
+        return getattr(self._inner, name)
+
+
+class ProposerImportHook(importlib.abc.MetaPathFinder):
+    """Finds the proposer module through the other finders and wraps its loader."""
+
+    wmtp_import_hook = True
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != PROPOSER_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if getattr(finder, "wmtp_import_hook", False) or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+def register() -> None:
+    """vLLM's general-plugin entry point; safe to call any number of times in any process."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    module = sys.modules.get(PROPOSER_MODULE)
+    if module is not None:
+        _on_import(module)
+    if not any(getattr(finder, "wmtp_import_hook", False) for finder in sys.meta_path):
+        sys.meta_path.insert(0, ProposerImportHook())

@@ -1,0 +1,182 @@
+"""The vLLM-touching half of the plugin: patch the drafter, window its attention metadata.
+
+Imported only inside a vLLM process, when ``vllm.v1.spec_decode.llm_base_proposer`` is first
+imported (see ``wmtp.plugin.register``). The index math is ``wmtp.plugin.window``'s, applied here to
+whole batches with tensor operations that never synchronise with the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from wmtp.plugin import hookpoints as hp
+from wmtp.plugin import window as win
+from wmtp.plugin.hookpoints import HookPointError
+
+# A child of vLLM's logger, so our lines land in the server log with vLLM's format and level.
+log = logging.getLogger("vllm.wmtp")
+
+STATE_ATTR = "_wmtp_window"
+_ORIGINAL = "__wmtp_original__"
+
+
+def window_metadata(cm: Any, config: win.WindowConfig, block_size: int) -> Any:
+    """A copy of the common attention metadata that reads only sink ∪ window; ``cm`` is untouched.
+
+    Replaced on the copy: the block table (gathered, int64 index), ``seq_lens`` and
+    ``seq_lens_cpu_upper_bound`` (new tensors: ``propose()`` later mutates the originals in place),
+    ``max_seq_len`` (a bound that no longer grows with the context) and the cached
+    ``num_computed_tokens``. The slot mapping, ``query_start_loc`` and the positions stay: KV writes
+    and the per-step slot update go through the full table.
+    """
+    sink, window = config.sink, config.window
+    if not win.needs_window(cm.max_seq_len, sink, window):
+        return cm
+    if cm.dcp_local_seq_lens is not None:
+        raise NotImplementedError("wmtp: decode context parallelism (dcp_local_seq_lens) is not supported")
+    seq_lens = cm.seq_lens
+    n = seq_lens.shape[0]
+    query_start = cm.query_start_loc
+    query_lens = query_start[1 : n + 1] - query_start[:n]
+    n_sink = win.sink_blocks(sink, block_size)
+    window_start = (seq_lens - query_lens - window).clamp(min=0)
+    drop = (torch.div(window_start, block_size, rounding_mode="floor") - n_sink).clamp(min=0)
+    new_seq_lens = seq_lens - drop * block_size
+
+    table = cm.block_table_tensor
+    rows, cols = table.shape
+    width = min(cols, win.table_width_bound(cm.max_query_len, sink, window, block_size))
+    row_drop = drop.to(torch.int64)
+    if rows > n:
+        row_drop = torch.cat([row_drop, row_drop.new_zeros(rows - n)])
+    row_drop = row_drop[:rows, None]
+    column = torch.arange(width, device=table.device, dtype=torch.int64)
+    index = column + row_drop * (column >= n_sink)
+    new_table = torch.gather(table, 1, index.clamp(max=cols - 1))
+
+    bound = win.seq_len_bound(cm.max_query_len, sink, window, block_size)
+    upper = cm.seq_lens_cpu_upper_bound
+    return dataclasses.replace(
+        cm,
+        block_table_tensor=new_table,
+        seq_lens=new_seq_lens,
+        max_seq_len=min(cm.max_seq_len, bound),
+        seq_lens_cpu_upper_bound=None if upper is None else upper.clamp(max=bound),
+        _num_computed_tokens_cache=None,
+    )
+
+
+@dataclasses.dataclass
+class _State:
+    config: win.WindowConfig
+    logged: bool = False
+
+
+def _refuse(what: str) -> HookPointError:
+    return HookPointError(f"wmtp plugin: vLLM {hp.vllm_version()} {what}; Windowed-MTP cannot hook this "
+                          "vLLM (run wmtp.engines.vllm_hooks.check_hook_points() for details)")
+
+
+def _check_instance(proposer: Any) -> None:
+    vllm_config = proposer.vllm_config
+    method = getattr(type(proposer), hp.BUILD_METHOD, None)
+    if getattr(method, _ORIGINAL, None) is None:
+        raise _refuse(f"uses {type(proposer).__qualname__}, which overrides {hp.BUILD_METHOD}; the wmtp "
+                      f"wrapper sits on {hp.PROPOSER_CLASS}.{hp.BUILD_METHOD}")
+    dcp = getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1)
+    if dcp and dcp > 1:
+        raise _refuse(f"runs decode context parallelism ({dcp}); wmtp supports "
+                      "decode_context_parallel_size = 1 only")
+
+
+def _wrap_init(original, problem: str | None):
+    @functools.wraps(original)
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        config = win.parse_config(getattr(vllm_config, "additional_config", None))
+        if config is None:
+            setattr(self, STATE_ATTR, None)
+            return
+        if problem is not None:
+            raise _refuse(problem)
+        _check_instance(self)
+        setattr(self, STATE_ATTR, _State(config))
+        from wmtp.plugin import testing
+
+        testing.install(self)
+
+    setattr(__init__, _ORIGINAL, original)
+    return __init__
+
+
+def _wrap_build(original):
+    @functools.wraps(original)
+    def build_per_group_and_layer_attn_metadata(self, common_attn_metadata, *args, **kwargs):
+        state: _State | None = getattr(self, STATE_ATTR, None)
+        if state is not None:
+            from wmtp.plugin import testing
+
+            config = testing.config(state.config)
+            block_size = getattr(self, hp.BLOCK_SIZE_ATTR)
+            if not state.logged:
+                state.logged = True
+                log.info("wmtp: windowed MTP draft active: sink S=%d, window W=%d, KV block size %d "
+                         "(sink %d block(s); window at least W tokens, block-aligned)", config.sink,
+                         config.window, block_size, win.sink_blocks(config.sink, block_size))
+            windowed = window_metadata(common_attn_metadata, config, block_size)
+            testing.observe(self, common_attn_metadata, windowed, config, block_size)
+            common_attn_metadata = windowed
+        return original(self, common_attn_metadata, *args, **kwargs)
+
+    setattr(build_per_group_and_layer_attn_metadata, _ORIGINAL, original)
+    return build_per_group_and_layer_attn_metadata
+
+
+def _problem(module: ModuleType) -> str | None:
+    """What is missing from the proposer module, or None."""
+    cls = getattr(module, hp.PROPOSER_CLASS)
+    method = cls.__dict__.get(hp.BUILD_METHOD)
+    if method is None:
+        return f"has no {hp.PROPOSER_CLASS}.{hp.BUILD_METHOD} in {hp.PROPOSER_MODULE}"
+    params = list(inspect.signature(method).parameters)[1:]
+    if tuple(params[: len(hp.BUILD_PARAMS)]) != hp.BUILD_PARAMS:
+        return f"has {hp.PROPOSER_CLASS}.{hp.BUILD_METHOD}{tuple(params)}, expected {hp.BUILD_PARAMS} first"
+    from vllm.v1.attention import backend
+
+    metadata_cls = getattr(backend, hp.METADATA_CLASS, None)
+    if metadata_cls is None:
+        return f"has no {hp.METADATA_MODULE}.{hp.METADATA_CLASS}"
+    fields = {f.name for f in dataclasses.fields(metadata_cls)}
+    missing = [name for name in hp.METADATA_FIELDS if name not in fields]
+    if missing:
+        return f"has no field {missing[0]} on {hp.METADATA_CLASS} (missing: {missing})"
+    return None
+
+
+def patch(module: ModuleType) -> None:
+    """Wrap the proposer class of a freshly imported module; idempotent.
+
+    Nothing here raises: an unconfigured server must keep working on a vLLM we cannot hook. A missing
+    hook point makes every proposer that *is* configured for wmtp refuse to start instead.
+    """
+    cls = getattr(module, hp.PROPOSER_CLASS, None)
+    if cls is None:
+        log.error("wmtp plugin: vLLM %s has no %s.%s; wmtp cannot run on it", hp.vllm_version(),
+                  hp.PROPOSER_MODULE, hp.PROPOSER_CLASS)
+        return
+    if getattr(cls.__init__, _ORIGINAL, None) is not None:
+        return
+    problem = _problem(module)
+    if problem is not None:
+        log.warning("wmtp plugin: vLLM %s %s; servers configured for wmtp will refuse to start",
+                    hp.vllm_version(), problem)
+    else:
+        setattr(cls, hp.BUILD_METHOD, _wrap_build(cls.__dict__[hp.BUILD_METHOD]))
+    cls.__init__ = _wrap_init(cls.__init__, problem)

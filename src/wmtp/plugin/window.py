@@ -1,0 +1,111 @@
+"""Index math of the windowed draft, on plain integers: no torch, no vLLM, unit-testable alone.
+
+One request's draft attention reads a paged KV cache through its block table. Windowed-MTP keeps
+
+- the *sink*: the first ``ceil(S / B)`` blocks (S rounded up to whole blocks), and
+- the *window*: every block from the one holding token ``p0 - W`` to the last, where ``p0`` is the
+  request's first query position in this forward (``seq_len - query_len``),
+
+and drops the blocks in between. The kept blocks are handed to the kernel as one contiguous table,
+so the request's sequence shrinks by ``B`` tokens per dropped block. Keys sit in the cache post-RoPE
+at their true positions and the paged kernels align causality to the end of the sequence, so the
+queries still see exactly the kept keys up to themselves.
+
+``plugin/hook.py`` applies the same formulas to whole batches with tensor operations; the engine
+tests check it against these functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+CONFIG_KEY = "wmtp"
+
+
+class WindowConfigError(ValueError):
+    """The ``wmtp`` entry of ``--additional-config`` is malformed."""
+
+
+@dataclass(frozen=True)
+class WindowConfig:
+    sink: int
+    window: int
+    ring: bool = False
+
+
+def parse_config(additional_config: Mapping[str, Any] | None) -> WindowConfig | None:
+    """The plugin's settings from vLLM's ``additional_config``; None when there is no ``wmtp`` key."""
+    if not additional_config or CONFIG_KEY not in additional_config:
+        return None
+    raw = additional_config[CONFIG_KEY]
+    where = f"--additional-config {CONFIG_KEY}"
+    if not isinstance(raw, Mapping):
+        raise WindowConfigError(f"{where} must be an object like {{\"sink\": 16, \"window\": 128}} "
+                                f"(got {raw!r})")
+    unknown = sorted(set(raw) - {"sink", "window", "ring"})
+    if unknown:
+        raise WindowConfigError(f"{where} has unknown keys {unknown}; allowed: sink, window, ring")
+    values: dict[str, int] = {}
+    for key, minimum in (("sink", 0), ("window", 1)):
+        value = raw.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise WindowConfigError(f"{where}.{key} must be an integer ≥ {minimum} (got {value!r})")
+        values[key] = value
+    ring = raw.get("ring", False)
+    if not isinstance(ring, bool):
+        raise WindowConfigError(f"{where}.ring must be true or false (got {ring!r})")
+    if ring:
+        raise WindowConfigError(f"{where}.ring = true (arm wmtp-ring, the draft's own S+W ring buffer) is "
+                                "phase 2 and not implemented; use ring = false")
+    return WindowConfig(sink=values["sink"], window=values["window"], ring=ring)
+
+
+def sink_blocks(sink: int, block_size: int) -> int:
+    """Blocks holding the sink: S rounded up to whole blocks."""
+    return -(-sink // block_size)
+
+
+def dropped_blocks(seq_len: int, query_len: int, sink: int, window: int, block_size: int) -> int:
+    """Blocks between the sink and the window, left out of the draft's table."""
+    first_query = seq_len - query_len
+    window_start = max(first_query - window, 0)
+    return max(window_start // block_size - sink_blocks(sink, block_size), 0)
+
+
+def windowed_seq_len(seq_len: int, query_len: int, sink: int, window: int, block_size: int) -> int:
+    """The sequence length the draft's kernel sees."""
+    return seq_len - block_size * dropped_blocks(seq_len, query_len, sink, window, block_size)
+
+
+def kept_blocks(seq_len: int, query_len: int, sink: int, window: int, block_size: int) -> list[int]:
+    """Indices (into the request's full block table) of the blocks the draft reads, in order."""
+    n_blocks = -(-seq_len // block_size)
+    drop = dropped_blocks(seq_len, query_len, sink, window, block_size)
+    n_sink = sink_blocks(sink, block_size)
+    return [j if j < n_sink else j + drop for j in range(n_blocks - drop)]
+
+
+def gather_index(column: int, drop: int, n_sink: int) -> int:
+    """Column of the full table that column ``column`` of the windowed table copies."""
+    return column if column < n_sink else column + drop
+
+
+def table_width_bound(max_query_len: int, sink: int, window: int, block_size: int) -> int:
+    """Columns enough for every row of the windowed table, whatever the context length."""
+    return sink_blocks(sink, block_size) + 1 + -(-(max_query_len + window) // block_size)
+
+
+def seq_len_bound(max_query_len: int, sink: int, window: int, block_size: int) -> int:
+    """An upper bound of every windowed sequence length, whatever the context length.
+
+    A windowed row holds the sink blocks, at most ``B - 1`` tokens of the block holding ``p0 - W``
+    before the window, the window and the queries; a row too short to window is shorter than that.
+    """
+    return sink_blocks(sink, block_size) * block_size + max_query_len + window + block_size - 1
+
+
+def needs_window(max_seq_len: int, sink: int, window: int) -> bool:
+    """False when no context in the batch is longer than S + W: the draft reads everything anyway."""
+    return max_seq_len > sink + window

@@ -1,0 +1,59 @@
+"""The whole H200 replica measurement in one command (the device tool's `run` executes it).
+
+    python scripts/device/replica_sweep.py --out "$OUT"            # full sweep, all four models
+    python scripts/device/replica_sweep.py --out "$OUT" --quick    # checks + attention bench + 2 points
+
+It measures, in one process: the device-to-device copy bandwidth (the roofline reference),
+correctness of the decode-attention and recurrence kernels against float32 on fresh random
+inputs, the attention kernels' achieved bandwidth, and the acceptance-free step time of native
+vs windowed MTP at each (model, context, k) with per-component times.  CSVs (replica_*.csv) are
+written to --out as it goes, so a timeout still leaves data; a summary table is printed last.
+
+S and W: the paper's values are not in the seeds (seed 003 gives no numbers); we use S = 4
+(StreamingLLM's four sink tokens) and W = 2048, as the issue says to when unknown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+
+from wmtp import replica  # noqa: E402
+
+MODELS = [
+    "config/models/qwen3.6-35b-a3b.json",
+    "config/models/qwen3.5-122b-a10b.json",
+    "config/models/nemotron-3-super-120b-a12b.json",
+    "config/models/qwen3-next-80b-a3b.json",
+]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results/replica/raw/h200")))
+    ap.add_argument("--quick", action="store_true", help="first call: checks, attention bench, two points")
+    ap.add_argument("--models", nargs="+", default=MODELS)
+    ap.add_argument("--deadline-s", type=float, default=540.0, help="start no new point after this")
+    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="passed to wmtp.replica sweep")
+    args = ap.parse_args()
+    models = [str(ROOT / m) for m in args.models]
+    common = ["sweep", "--out", str(args.out), "--sink", "4", "--window", "2048", "--deadline-s", str(args.deadline_s)]
+    if args.quick:
+        bench = [*common, "--models", *models, "--attn-bench", "128k,1m", "--contexts", "none", "--reps", "20"]
+        rc = replica.main([*bench, *args.extra])
+        if rc:
+            return rc
+        argv = [*common, "--models", models[0], "--contexts", "2k,1m", "--ks", "3", "--reps", "20"]
+        return replica.main([*argv, *args.extra])
+    argv = [*common, "--models", *models, "--contexts", "2k,32k,128k,256k,512k,1m", "--ks", "1,3,5"]
+    return replica.main([*argv, *args.extra])
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())

@@ -170,9 +170,7 @@ class DraftTax:
         return asdict(self)
 
 
-def draft_tax(
-    target_from_ms: float, target_to_ms: float, cycle_from_ms: float, cycle_to_ms: float, k: int
-) -> DraftTax:
+def draft_tax(target_from_ms: float, target_to_ms: float, cycle_from_ms: float, cycle_to_ms: float, k: int) -> DraftTax:
     """Decompose a drafting arm's cycle growth into the target's and the draft's share.
 
     ``target_*`` are the no-draft arm's cycleMs (one target forward) at the two rungs, ``cycle_*`` the
@@ -302,9 +300,7 @@ def speedup_ci(
     seed: int = DEFAULT_SEED,
 ) -> CI:
     """Speedup stat(arm)/stat(base) of per-repeat decode tok/s, both arms resampled."""
-    point, reps = bootstrap_replicates(
-        [arm_tok_s, base_tok_s], _ratio, statistic=statistic, n_boot=n_boot, seed=seed
-    )
+    point, reps = bootstrap_replicates([arm_tok_s, base_tok_s], _ratio, statistic=statistic, n_boot=n_boot, seed=seed)
     return percentile_ci(point, reps, level)
 
 
@@ -408,9 +404,7 @@ def repeat_table(
         values = _clean(group[column]) if column in group.columns else np.array([])
         if len(values) == 0:
             continue
-        point, reps = bootstrap_replicates(
-            [values], lambda a: a, statistic=statistic, n_boot=n_boot, seed=seed
-        )
+        point, reps = bootstrap_replicates([values], lambda a: a, statistic=statistic, n_boot=n_boot, seed=seed)
         ci = percentile_ci(point, reps, level)
         rows.append(
             {
@@ -439,22 +433,14 @@ def prefill_table(requests: pd.DataFrame, **kwargs: object) -> pd.DataFrame:
     if ttft.empty or rate.empty:
         return pd.DataFrame()
     keys = [*_keys(ttft, SERIES_KEYS), "rung"]
-    ttft = ttft.rename(
-        columns={c: f"ttft_s_{c}" if c != "value" else "ttft_s" for c in ttft.columns if c not in keys}
-    )
+    ttft = ttft.rename(columns={c: f"ttft_s_{c}" if c != "value" else "ttft_s" for c in ttft.columns if c not in keys})
     rate = rate.rename(
-        columns={
-            c: f"prefill_tok_s_{c}" if c != "value" else "prefill_tok_s"
-            for c in rate.columns
-            if c not in keys
-        }
+        columns={c: f"prefill_tok_s_{c}" if c != "value" else "prefill_tok_s" for c in rate.columns if c not in keys}
     )
     return ttft.merge(rate, on=keys, how="outer")
 
 
-def _base_and_arms(
-    requests: pd.DataFrame, base_arm: str
-) -> list[tuple[dict[str, object], pd.DataFrame, pd.DataFrame]]:
+def _base_and_arms(requests: pd.DataFrame, base_arm: str) -> list[tuple[dict[str, object], pd.DataFrame, pd.DataFrame]]:
     """(series key, arm requests, matching base requests) for every drafting series."""
     out = []
     if requests.empty:
@@ -507,9 +493,7 @@ def speedup_table(
     return pd.DataFrame(rows)
 
 
-def _pick_rungs(
-    available: Sequence[int], rung_from: int | None, rung_to: int | None
-) -> tuple[int, int] | None:
+def _pick_rungs(available: Sequence[int], rung_from: int | None, rung_to: int | None) -> tuple[int, int] | None:
     if len(available) < 2 and (rung_from is None or rung_to is None):
         return None
     lo = available[0] if rung_from is None else rung_from
@@ -548,9 +532,7 @@ def speedup_change_table(
         samples = [tok_s(base_req, r0), tok_s(arm_req, r0), tok_s(base_req, r1), tok_s(arm_req, r1)]
         if any(len(s) == 0 for s in samples):
             continue
-        point, reps = bootstrap_replicates(
-            samples, _ratio_change, statistic=statistic, n_boot=n_boot, seed=seed
-        )
+        point, reps = bootstrap_replicates(samples, _ratio_change, statistic=statistic, n_boot=n_boot, seed=seed)
         ci = percentile_ci(point, reps, level)
         stat = _stat_fn(statistic)
         rows.append(
@@ -697,9 +679,7 @@ def position_table(positions: pd.DataFrame, rungs: pd.DataFrame | None = None) -
         keys = [c for c in ("cell_id", "rung") if c in out.columns and c in rungs.columns]
         drafts = rungs[[*keys, "d_drafts"]].drop_duplicates(keys)
         out = out.merge(drafts, on=keys, how="left")
-        out["rate"] = [
-            position_rate(a, d) for a, d in zip(out["d_accepted_pos"], out["d_drafts"], strict=True)
-        ]
+        out["rate"] = [position_rate(a, d) for a, d in zip(out["d_accepted_pos"], out["d_drafts"], strict=True)]
     cols = [*_keys(out, SERIES_KEYS), "rung", "position", "d_accepted_pos", "rate"]
     return out[cols].sort_values([*_keys(out, SERIES_KEYS), "rung", "position"]).reset_index(drop=True)
 
@@ -729,8 +709,7 @@ def energy_table(
     if sel.empty:
         return pd.DataFrame()
     sel["power_w"] = [
-        power_w(float(e), float(w))
-        for e, w in zip(sel["energy_decode_j"], sel["decode_window_s"], strict=True)
+        power_w(float(e), float(w)) for e, w in zip(sel["energy_decode_j"], sel["decode_window_s"], strict=True)
     ]
     cols = [
         *_keys(sel, SERIES_KEYS),
@@ -809,9 +788,7 @@ def cost_side_table(
                 nat_req = _select(requests, {"arm": native_arm, **match, "rung": rung})
                 win_req = _select(requests, {**key, "rung": rung})
 
-                def wedge(
-                    n: np.ndarray, w: np.ndarray, tpv_n: float = tpv_n, tpv_w: float = tpv_w
-                ) -> np.ndarray:
+                def wedge(n: np.ndarray, w: np.ndarray, tpv_n: float = tpv_n, tpv_w: float = tpv_w) -> np.ndarray:
                     return (tpv_n / n) / (tpv_w / w) - 1.0
 
                 _, reps = bootstrap_replicates(

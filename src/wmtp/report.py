@@ -1,0 +1,1285 @@
+"""The study report: loads the tidy tables and the published numbers, prepares figure-ready frames,
+saves figures, and renders ``notebooks/report.ipynb`` into one self-contained HTML page.
+
+The notebook only plots and formats; every number it shows comes from here or from
+:mod:`wmtp.analysis`. Each ``*_section`` function returns a :class:`Section`: a frame (possibly
+empty) and, when something is missing, a note that says so in words ("not measured: no NVML on this
+machine"), so the notebook never plots zeros or NaN.
+
+Published numbers (``config/published/*.csv``) are one number per row with the exact sentence they
+come from: ``study, quantity, arm, k, rung, rung_from, position, value, pm, lo, hi, unit, primary,
+source, source_quote``. ``rung`` is the context the seed names (its server-counted prompt tokens where
+it gives them, 1000000 for the paper's "1M"); ``primary`` is false for a rounded restatement of a
+number stated more precisely elsewhere. Percentages are stored as the seed writes them (78.7, unit %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from wmtp import analysis as an
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOK = REPO_ROOT / "notebooks" / "report.ipynb"
+PUBLISHED_DIR = REPO_ROOT / "config" / "published"
+PAPER_STUDY = "windowed-mtp-paper"
+
+TIDY_TABLES = ("requests", "rungs", "positions")
+
+NOTE_NO_POWER = "not measured: no NVML on this machine"
+NOTE_RELATIVE_POWER = (
+    "relative only: this machine reports board power but no calibrated energy (as on the Spark's GB10); "
+    "compare arms with each other, not with other machines"
+)
+NOTE_NO_WINDOWED = "no windowed arm in this study"
+NOTE_NO_REPLICA = "no GPU replica data (results/replica/tidy/replica.parquet not found)"
+NOTE_NO_DRAFT = "no drafting arm in this study"
+NOTE_NO_BASE = "no arm 'none' in this study: speedups need the no-draft baseline"
+NOTE_ONE_RUNG = "only one context length in this study: nothing to compare across context"
+NOTE_COSTMODEL_MISSING = "cost model: not yet available (wmtp.costmodel.predict cannot be imported)"
+
+
+@dataclass(frozen=True)
+class Tidy:
+    """The three tidy tables of a study (empty frames where a table is absent)."""
+
+    requests: pd.DataFrame
+    rungs: pd.DataFrame
+    positions: pd.DataFrame
+
+    @property
+    def arms(self) -> list[str]:
+        return sorted(self.rungs["arm"].dropna().unique()) if "arm" in self.rungs.columns else []
+
+    @property
+    def has_windowed(self) -> bool:
+        return any(a in an.WINDOWED_ARMS for a in self.arms)
+
+    @property
+    def has_drafting(self) -> bool:
+        return any(a != an.BASE_ARM for a in self.arms)
+
+
+@dataclass(frozen=True)
+class Section:
+    """Figure- or table-ready data plus the note to print when part of it is missing."""
+
+    frame: pd.DataFrame = field(default_factory=pd.DataFrame)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def available(self) -> bool:
+        return not self.frame.empty
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+def load_tidy(tidy_dir: Path | str) -> Tidy:
+    """Reads requests/rungs/positions.parquet from ``tidy_dir``; a missing table is an empty frame."""
+    tidy_dir = Path(tidy_dir)
+    if not tidy_dir.is_dir():
+        raise FileNotFoundError(f"report: tidy directory {tidy_dir} does not exist (run the collect step first)")
+    frames = {}
+    for name in TIDY_TABLES:
+        path = tidy_dir / f"{name}.parquet"
+        frames[name] = pd.read_parquet(path) if path.exists() else pd.DataFrame()
+    if frames["rungs"].empty:
+        raise FileNotFoundError(f"report: {tidy_dir}/rungs.parquet is missing or empty")
+    return Tidy(**frames)
+
+
+def load_published(
+    published_dir: Path | str | None = None, study: str | None = None, *, primary_only: bool = False
+) -> pd.DataFrame:
+    """All published CSVs of ``published_dir`` in one frame (optionally one study's, primary rows only)."""
+    published_dir = Path(published_dir) if published_dir else PUBLISHED_DIR
+    files = sorted(published_dir.glob("*.csv")) if published_dir.is_dir() else []
+    if not files:
+        return pd.DataFrame()
+    frame = pd.concat(
+        [pd.read_csv(f, dtype={"study": str, "quantity": str, "arm": str}) for f in files], ignore_index=True
+    )
+    frame["arm"] = frame["arm"].fillna("")
+    for col in ("k", "rung", "rung_from", "position"):
+        frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
+    for col in ("value", "pm", "lo", "hi"):
+        frame[col] = pd.to_numeric(frame[col], errors="coerce")
+    frame["primary"] = frame["primary"].astype(str).str.lower().eq("true")
+    if study is not None:
+        frame = frame[frame["study"] == study]
+    if primary_only:
+        frame = frame[frame["primary"]]
+    return frame.reset_index(drop=True)
+
+
+def default_replica_path(tidy_dir: Path | str) -> Path:
+    """results/<study>/tidy → results/replica/tidy/replica.parquet."""
+    return Path(tidy_dir).resolve().parent.parent / "replica" / "tidy" / "replica.parquet"
+
+
+def load_replica(path: Path | str | None) -> pd.DataFrame | None:
+    """The GPU replica table, or None when it has not been built."""
+    if not path:
+        return None
+    path = Path(path)
+    if not path.exists():
+        return None
+    frame = pd.read_parquet(path)
+    return frame if not frame.empty else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Labels and formatting helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def context_label(tokens: float) -> str:
+    """2040 → '2K', 32779 → '32K', 131290 → '131K', 1536 → '1.5K', 1000000 → '1M' (the seed's style)."""
+    if tokens is None or (isinstance(tokens, float) and math.isnan(tokens)):
+        return ""
+    t = float(tokens)
+    for scale, suffix in ((1e6, "M"), (1e3, "K")):
+        if t >= scale:
+            x = t / scale
+            text = f"{x:.1f}".rstrip("0").rstrip(".") if x < 10 else str(int(x))
+            return f"{text}{suffix}"
+    return str(int(t))
+
+
+def context_ticks(values: Sequence[float], min_ratio: float = 1.08) -> list[int]:
+    """Distinct tick positions for a log context axis: values closer than ``min_ratio`` collapse into the
+    first (131072 and 131290 would both read '131K')."""
+    ticks: list[int] = []
+    for v in sorted({int(x) for x in values if x is not None and not pd.isna(x)}):
+        if not ticks or v / ticks[-1] >= min_ratio:
+            ticks.append(v)
+    return ticks
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return None if value is None or pd.isna(value) else int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def series_label(
+    row: dict[str, Any] | pd.Series,
+    *,
+    with_model: bool = False,
+    with_engine: bool = False,
+    with_concurrency: bool = False,
+) -> str:
+    """'none', 'mtp k=3', 'wmtp k=3 S=16 W=128' (+ model / engine / concurrency when they vary)."""
+    parts = [str(row.get("arm"))]
+    k = _int_or_none(row.get("k"))
+    if k:
+        parts.append(f"k={k}")
+    sink, window = _int_or_none(row.get("sink")), _int_or_none(row.get("window"))
+    if sink is not None or window is not None:
+        parts.append(f"S={sink} W={window}")
+    label = " ".join(parts)
+    extra = []
+    if with_model:
+        extra.append(str(row.get("model")))
+    if with_engine:
+        extra.append(str(row.get("engine")))
+    if with_concurrency:
+        extra.append(f"c={row.get('concurrency')}")
+    return f"{label} ({', '.join(extra)})" if extra else label
+
+
+def add_labels(frame: pd.DataFrame, reference: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Adds ``label`` (see :func:`series_label`) and ``context`` columns; model/engine/concurrency appear
+    in the label only when they vary in ``reference`` (default: the frame itself)."""
+    if frame.empty:
+        return frame
+    ref = frame if reference is None else reference
+    varies = {c: c in ref.columns and ref[c].nunique(dropna=False) > 1 for c in ("model", "engine", "concurrency")}
+    out = frame.copy()
+    out["label"] = [
+        series_label(
+            r,
+            with_model=varies["model"],
+            with_engine=varies["engine"],
+            with_concurrency=varies["concurrency"],
+        )
+        for r in out.to_dict("records")
+    ]
+    if "rung" in out.columns:
+        out["context"] = [context_label(r) for r in out["rung"]]
+    return out
+
+
+def _arm_order(frame: pd.DataFrame) -> pd.DataFrame:
+    order = {a: i for i, a in enumerate(("none", "mtp", "wmtp", "wmtp-ring"))}
+    keys = [
+        c
+        for c in ("arm", "k", "sink", "window", "model", "engine", "concurrency", "rung", "position")
+        if c in frame.columns
+    ]
+    out = frame.assign(_arm_rank=frame["arm"].map(order).fillna(99)) if "arm" in frame.columns else frame
+    sort = (["_arm_rank"] if "_arm_rank" in out.columns else []) + [k for k in keys if k != "arm"]
+    out = out.sort_values(sort, na_position="first", kind="stable")
+    return out.drop(columns=["_arm_rank"], errors="ignore").reset_index(drop=True)
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    """Numbers for tables: integers with separators, otherwise ``digits`` significant digits."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    if not math.isfinite(v):
+        return ""
+    if abs(v) < 1e-9:
+        return "0"
+    if v.is_integer() and abs(v) < 1e15:
+        return f"{int(v):,}"
+    if abs(v) >= 10**digits:
+        return f"{v:,.0f}"
+    return f"{v:.{digits}g}"
+
+
+def fmt_ci(point: float, lo: float, hi: float, digits: int = 4) -> str:
+    """'1.605 [1.581, 1.629]' or just the point when the interval is missing."""
+    if not np.isfinite(point):
+        return ""
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return _fmt(point, digits)
+    return f"{_fmt(point, digits)} [{_fmt(lo, digits)}, {_fmt(hi, digits)}]"
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections (figure/table-ready data)
+# --------------------------------------------------------------------------------------------------
+
+
+def overview(tidy: Tidy) -> pd.DataFrame:
+    """One row per series: the cells of the study, their rungs and repeats."""
+    r = tidy.rungs
+    keys = [c for c in an.SERIES_KEYS if c in r.columns]
+    rows = []
+    for key, group in an._groups(r, keys):
+        rows.append(
+            {
+                **key,
+                "rungs": ", ".join(context_label(x) for x in sorted(group["rung"].unique())),
+                "repeats": ", ".join(str(int(n)) for n in group.sort_values("rung")["n_repeats"]),
+            }
+        )
+    out = pd.DataFrame(rows)
+    for col in ("k", "sink", "window", "concurrency"):
+        if col in out.columns:
+            out[col] = pd.to_numeric(out[col], errors="coerce").astype("Int64")
+    return _arm_order(out)
+
+
+def decode_section(tidy: Tidy, **boot: Any) -> Section:
+    """Decode tok/s per series vs context (median over repeats, bootstrap CI)."""
+    frame = an.decode_table(tidy.requests, **boot)
+    if frame.empty:
+        return Section(notes=("no measured requests with a decode rate",))
+    return Section(_arm_order(add_labels(frame, tidy.rungs)))
+
+
+def speedup_section(tidy: Tidy, **boot: Any) -> Section:
+    """Speedup over the none arm per drafting series vs context, with CI."""
+    if not tidy.has_drafting:
+        return Section(notes=(NOTE_NO_DRAFT,))
+    if an.BASE_ARM not in tidy.arms:
+        return Section(notes=(NOTE_NO_BASE,))
+    frame = an.speedup_table(tidy.requests, **boot)
+    return (
+        Section(_arm_order(add_labels(frame, tidy.rungs)))
+        if not frame.empty
+        else Section(notes=("no drafting series shares a rung with the none arm",))
+    )
+
+
+def speedup_change_section(tidy: Tidy, **boot: Any) -> Section:
+    """Change of the speedup from the smallest to every larger rung, with CI (table)."""
+    if not tidy.has_drafting or an.BASE_ARM not in tidy.arms:
+        return Section(notes=(NOTE_NO_DRAFT if not tidy.has_drafting else NOTE_NO_BASE,))
+    rungs = an.rungs_of(tidy.rungs)
+    if len(rungs) < 2:
+        return Section(notes=(NOTE_ONE_RUNG,))
+    frames = [an.speedup_change_table(tidy.requests, rung_from=rungs[0], rung_to=r, **boot) for r in rungs[1:]]
+    frame = (
+        pd.concat([f for f in frames if not f.empty], ignore_index=True)
+        if any(not f.empty for f in frames)
+        else pd.DataFrame()
+    )
+    if frame.empty:
+        return Section(notes=("no drafting series has two rungs in common with the none arm",))
+    return Section(_arm_order(add_labels(frame, tidy.rungs)))
+
+
+def cycle_section(tidy: Tidy) -> Section:
+    """cycleMs per series vs context (from rungs.parquet: median decode tok/s and tokPerVerify)."""
+    cols = [c for c in (*an.SERIES_KEYS, "rung", "cycle_ms", "decode_tok_s", "tok_per_verify") if c in tidy.rungs]
+    frame = tidy.rungs[cols].copy()
+    frame = frame[pd.to_numeric(frame["cycle_ms"], errors="coerce").notna()]
+    if frame.empty:
+        return Section(notes=("no cycle time could be computed (no decode rate or no tokPerVerify)",))
+    return Section(_arm_order(add_labels(frame, tidy.rungs)))
+
+
+def draft_tax_section(tidy: Tidy, **boot: Any) -> Section:
+    """The draft-tax decomposition from the smallest to every larger rung."""
+    if not tidy.has_drafting or an.BASE_ARM not in tidy.arms:
+        return Section(notes=(NOTE_NO_DRAFT if not tidy.has_drafting else NOTE_NO_BASE,))
+    rungs = an.rungs_of(tidy.rungs)
+    if len(rungs) < 2:
+        return Section(notes=(NOTE_ONE_RUNG,))
+    frames = [an.draft_tax_table(tidy.rungs, tidy.requests, rung_from=rungs[0], rung_to=r, **boot) for r in rungs[1:]]
+    frames = [f for f in frames if not f.empty]
+    if not frames:
+        return Section(notes=("no drafting series has two rungs in common with the none arm",))
+    frame = pd.concat(frames, ignore_index=True)
+    notes = []
+    if (pd.to_numeric(frame["target_growth_ms"], errors="coerce") <= 0).any():
+        notes.append(
+            "the plain decode step did not grow with context on some series: the share is not meaningful there"
+        )
+    return Section(_arm_order(add_labels(frame, tidy.rungs)), tuple(notes))
+
+
+def draft_tax_display(section: Section) -> pd.DataFrame:
+    """The decomposition as a table for people (ms, %)."""
+    if not section.available:
+        return pd.DataFrame()
+    f = section.frame
+    out = pd.DataFrame(
+        {
+            "series": f["label"],
+            "from → to": [
+                f"{context_label(a)} → {context_label(b)}" for a, b in zip(f["rung_from"], f["rung_to"], strict=True)
+            ],
+            "plain step (ms)": [
+                f"{_fmt(a)} → {_fmt(b)}" for a, b in zip(f["target_from_ms"], f["target_to_ms"], strict=True)
+            ],
+            "verify cycle (ms)": [
+                f"{_fmt(a)} → {_fmt(b)}" for a, b in zip(f["cycle_from_ms"], f["cycle_to_ms"], strict=True)
+            ],
+            "target growth (ms)": [_fmt(v) for v in f["target_growth_ms"]],
+            "cycle growth (ms)": [_fmt(v) for v in f["cycle_growth_ms"]],
+            "draft growth (ms)": [_fmt(v) for v in f["draft_growth_ms"]],
+            "per draft step (ms)": [
+                fmt_ci(p, lo, hi)
+                for p, lo, hi in zip(
+                    f["per_step_ms"],
+                    f.get("per_step_lo", f["per_step_ms"] * np.nan),
+                    f.get("per_step_hi", f["per_step_ms"] * np.nan),
+                    strict=True,
+                )
+            ],
+            "share of target growth (%)": [
+                fmt_ci(100 * p, 100 * lo, 100 * hi)
+                for p, lo, hi in zip(
+                    f["share"],
+                    f.get("share_lo", f["share"] * np.nan),
+                    f.get("share_hi", f["share"] * np.nan),
+                    strict=True,
+                )
+            ],
+        }
+    )
+    return out
+
+
+def speedup_change_display(section: Section) -> pd.DataFrame:
+    if not section.available:
+        return pd.DataFrame()
+    f = section.frame
+    return pd.DataFrame(
+        {
+            "series": f["label"],
+            "from → to": [
+                f"{context_label(a)} → {context_label(b)}" for a, b in zip(f["rung_from"], f["rung_to"], strict=True)
+            ],
+            "speedup from": [_fmt(v, 4) for v in f["speedup_from"]],
+            "speedup to": [_fmt(v, 4) for v in f["speedup_to"]],
+            "change [95% CI]": [fmt_ci(p, lo, hi) for p, lo, hi in zip(f["change"], f["lo"], f["hi"], strict=True)],
+            "± se": [_fmt(v) for v in f["se"]],
+        }
+    )
+
+
+def acceptance_section(tidy: Tidy) -> Section:
+    """tokPerVerify and acceptance rate per drafting series vs context."""
+    if not tidy.has_drafting:
+        return Section(notes=(NOTE_NO_DRAFT,))
+    frame = an.acceptance_table(tidy.rungs)
+    frame = frame[pd.to_numeric(frame["tok_per_verify"], errors="coerce").notna()] if not frame.empty else frame
+    if frame.empty:
+        return Section(notes=("the spec-decode counters did not move: no acceptance to show",))
+    return Section(_arm_order(add_labels(frame, tidy.rungs)))
+
+
+def positions_section(tidy: Tidy) -> Section:
+    """Per-position acceptance rate per drafting series and rung."""
+    if not tidy.has_drafting:
+        return Section(notes=(NOTE_NO_DRAFT,))
+    if tidy.positions.empty:
+        return Section(notes=("not measured: the engine exposed no per-position acceptance counters",))
+    frame = an.position_table(tidy.positions, tidy.rungs)
+    frame = frame[pd.to_numeric(frame["rate"], errors="coerce").notna()]
+    if frame.empty:
+        return Section(notes=("the spec-decode counters did not move: no per-position acceptance to show",))
+    return Section(_arm_order(add_labels(frame, tidy.rungs)))
+
+
+def _power_notes(rungs: pd.DataFrame) -> tuple[str, ...]:
+    status = set(rungs["power_status"].fillna("unavailable")) if "power_status" in rungs.columns else {"unavailable"}
+    notes = []
+    if status == {"unavailable"}:
+        notes.append(NOTE_NO_POWER)
+    elif "unavailable" in status:
+        notes.append("partly not measured: some rungs have no energy reading (no NVML or a counter reset)")
+    if "relative-only" in status:
+        notes.append(NOTE_RELATIVE_POWER)
+    return tuple(notes)
+
+
+def energy_section(tidy: Tidy, **boot: Any) -> Section:
+    """tok/J and mean board power per series vs context, where energy was measured."""
+    notes = _power_notes(tidy.rungs)
+    frame = an.energy_table(tidy.rungs, tidy.requests, **boot)
+    if frame.empty:
+        return Section(notes=notes or (NOTE_NO_POWER,))
+    return Section(_arm_order(add_labels(frame, tidy.rungs)), notes)
+
+
+def prefill_section(tidy: Tidy, **boot: Any) -> Section:
+    """TTFT and prefill tok/s per series vs context, with CI."""
+    frame = an.prefill_table(tidy.requests, **boot)
+    if frame.empty:
+        return Section(notes=("no measured requests with a first-token time",))
+    return Section(_arm_order(add_labels(frame, tidy.rungs)))
+
+
+def paper_claim(published: pd.DataFrame) -> dict[str, float] | None:
+    """The paper's headline cost-side ratio as a wedge band: {'rung', 'lo', 'hi'} (ratio − 1)."""
+    if published.empty:
+        return None
+    rows = published[
+        (published["study"] == PAPER_STUDY) & (published["quantity"] == "cost_side_ratio") & published["primary"]
+    ]
+    if rows.empty:
+        return None
+    r = rows.iloc[0]
+    return {"rung": float(r["rung"]), "lo": float(r["lo"]) - 1.0, "hi": float(r["hi"]) - 1.0}
+
+
+def wedge_section(tidy: Tidy, replica: pd.DataFrame | None, **boot: Any) -> Section:
+    """The paper's Fig. 3 wedge, step_nat/step_win − 1 vs context, from the windowed arms and the replica.
+
+    Columns: source ('measured' | 'replica' | 'replica model'), label, rung, wedge, wedge_lo, wedge_hi.
+    """
+    parts = []
+    notes = []
+    if tidy.has_windowed:
+        measured = an.cost_side_table(tidy.rungs, tidy.requests, **boot)
+        if not measured.empty:
+            measured = add_labels(measured, tidy.rungs)
+            parts.append(measured.assign(source="measured"))
+        else:
+            notes.append("the windowed arms share no (k, rung) with an mtp arm: no measured wedge")
+    else:
+        notes.append(NOTE_NO_WINDOWED)
+    if replica is not None and not replica.empty:
+        rep = replica.copy()
+        rep["rung"] = rep["context"]
+        rep["arm"] = "wmtp"
+        rep["wedge"] = pd.to_numeric(rep["ratio"], errors="coerce") - 1.0
+        rep["context"] = [context_label(c) for c in rep["rung"]]
+        rep["label"] = [
+            f"replica {m} {series_label({'arm': 'wmtp', 'k': k, 'sink': sk, 'window': w})}"
+            for m, k, sk, w in zip(rep["model"], rep["k"], rep["sink"], rep["window"], strict=True)
+        ]
+        parts.append(rep.assign(source="replica"))
+        if "predicted_ratio" in rep.columns and pd.to_numeric(rep["predicted_ratio"], errors="coerce").notna().any():
+            pred = rep.copy()
+            pred["wedge"] = pd.to_numeric(rep["predicted_ratio"], errors="coerce") - 1.0
+            pred["label"] = [f"{lab} (roofline model)" for lab in rep["label"]]
+            parts.append(pred.assign(source="replica model"))
+    else:
+        notes.append(NOTE_NO_REPLICA)
+    if not parts:
+        return Section(notes=tuple(notes))
+    frame = pd.concat(parts, ignore_index=True)
+    frame = frame[pd.to_numeric(frame["wedge"], errors="coerce").notna()]
+    for col in ("wedge_lo", "wedge_hi"):
+        if col not in frame.columns:
+            frame[col] = np.nan
+    keep = [
+        "source",
+        "label",
+        "model",
+        "arm",
+        "k",
+        "sink",
+        "window",
+        "rung",
+        "context",
+        "wedge",
+        "wedge_lo",
+        "wedge_hi",
+    ]
+    frame = frame[[c for c in keep if c in frame.columns]].reset_index(drop=True)
+    return Section(frame, tuple(notes)) if not frame.empty else Section(notes=(*notes, "no finite wedge value"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Measured vs published
+# --------------------------------------------------------------------------------------------------
+
+
+def _q(
+    quantity: str,
+    arm: str,
+    value: float,
+    *,
+    k: Any = None,
+    rung: Any = None,
+    rung_from: Any = None,
+    position: Any = None,
+    lo: float = math.nan,
+    hi: float = math.nan,
+    **key: Any,
+) -> dict[str, Any]:
+    return {
+        "quantity": quantity,
+        "arm": arm,
+        "k": _int_or_none(k),
+        "rung": _int_or_none(rung),
+        "rung_from": _int_or_none(rung_from),
+        "position": _int_or_none(position),
+        "value": value,
+        "lo": lo,
+        "hi": hi,
+        **{c: key.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+    }
+
+
+def measured_quantities(tidy: Tidy, **boot: Any) -> pd.DataFrame:
+    """Every quantity the published CSVs name, as measured, in the CSVs' units (long format).
+
+    Columns: quantity, arm, k, rung, rung_from, position, value, lo, hi, model, engine, concurrency,
+    sink, window. Changes across context are taken from the smallest rung to each larger one.
+    """
+    rows: list[dict[str, Any]] = []
+    r = tidy.rungs
+    for rec in r.to_dict("records"):
+        arm, k = rec["arm"], (_int_or_none(rec.get("k")) or None)
+        key = {c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")}
+        common = {"k": k, "rung": rec["rung"], **key}
+        rows.append(_q("prompt_tokens", arm, float(rec["prompt_tokens"]), **common))
+        rows.append(_q("n_repeats", arm, float(rec["n_repeats"]), **common))
+        rows.append(_q("cycle_ms", arm, float(rec["cycle_ms"]), **common))
+        rows.append(_q("ttft_s", arm, float(rec["ttft_s"]), **common))
+        rows.append(_q("prefill_tok_s", arm, float(rec["prefill_tok_s"]), **common))
+        rows.append(_q("decode_tok_s", arm, float(rec["decode_tok_s"]), **common))
+        if arm != an.BASE_ARM:
+            rows.append(_q("tok_per_verify", arm, float(rec["tok_per_verify"]), **common))
+            rows.append(_q("acceptance_rate_pct", arm, 100 * float(rec["acceptance_rate"]), **common))
+    energy = an.energy_table(r, tidy.requests, **boot)
+    for rec in energy.to_dict("records"):
+        common = {
+            "k": _int_or_none(rec.get("k")) or None,
+            "rung": rec["rung"],
+            **{c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+        }
+        rows.append(_q("tok_per_j", rec["arm"], float(rec["tok_per_j"]), **common))
+        rows.append(_q("power_w", rec["arm"], float(rec["power_w"]), **common))
+    if not tidy.positions.empty:
+        for rec in an.position_table(tidy.positions).to_dict("records"):
+            rows.append(
+                _q(
+                    "accepted_at_position",
+                    rec["arm"],
+                    float(rec["d_accepted_pos"]),
+                    k=_int_or_none(rec.get("k")) or None,
+                    rung=rec["rung"],
+                    position=rec["position"],
+                    **{c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+                )
+            )
+    # spread of the repeats
+    dec = an.decode_table(tidy.requests, **boot)
+    req = tidy.requests
+    for rec in dec.to_dict("records"):
+        common = {
+            "k": _int_or_none(rec.get("k")) or None,
+            "rung": rec["rung"],
+            **{c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+        }
+        rows.append(_q("decode_tok_s_range", rec["arm"], math.nan, lo=rec["min"], hi=rec["max"], **common))
+        vals = an._clean(
+            an._select(req, {**{c: rec.get(c) for c in an.SERIES_KEYS if c in req.columns}, "rung": rec["rung"]})[
+                "decode_tok_s"
+            ]
+        )
+        if len(vals) > 1:
+            sd = float(np.std(vals, ddof=1))
+            rows.append(_q("decode_tok_s_sigma_run_to_run", rec["arm"], sd, **common))
+            rows.append(_q("decode_tok_s_sem", rec["arm"], sd / math.sqrt(len(vals)), **common))
+    # speedups and their change across context
+    rungs = an.rungs_of(r)
+    if tidy.has_drafting and an.BASE_ARM in tidy.arms:
+        for rec in an.speedup_table(req, **boot).to_dict("records"):
+            common = {
+                "k": _int_or_none(rec.get("k")),
+                "rung": rec["rung"],
+                **{c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+            }
+            rows.append(_q("speedup", rec["arm"], rec["speedup"], lo=rec["lo"], hi=rec["hi"], **common))
+            rows.append(_q("decode_tok_s_gain_pct", rec["arm"], 100 * (rec["speedup"] - 1), **common))
+        for to in rungs[1:]:
+            for rec in an.speedup_change_table(req, rung_from=rungs[0], rung_to=to, **boot).to_dict("records"):
+                common = {
+                    "k": _int_or_none(rec.get("k")),
+                    "rung": to,
+                    "rung_from": rungs[0],
+                    **{c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+                }
+                rows.append(_q("speedup_change", rec["arm"], rec["change"], lo=rec["lo"], hi=rec["hi"], **common))
+                if rec["se"] and np.isfinite(rec["se"]) and rec["se"] > 0:
+                    rows.append(_q("speedup_change_sigmas", rec["arm"], rec["change"] / rec["se"], **common))
+                    rows.append(_q("speedup_dip_sigmas", rec["arm"], abs(rec["change"]) / rec["se"], **common))
+            for rec in an.draft_tax_table(r, req, rung_from=rungs[0], rung_to=to, **boot).to_dict("records"):
+                key = {c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")}
+                common = {"k": _int_or_none(rec.get("k")), "rung": to, "rung_from": rungs[0], **key}
+                base = {"rung": to, "rung_from": rungs[0], **{**key, "sink": None, "window": None}}
+                rows.append(_q("target_growth_ms", an.BASE_ARM, rec["target_growth_ms"], **base))
+                rows.append(
+                    _q(
+                        "target_growth_pct",
+                        an.BASE_ARM,
+                        100 * an.relative_change(rec["target_from_ms"], rec["target_to_ms"]),
+                        **base,
+                    )
+                )
+                rows.append(_q("cycle_growth_ms", rec["arm"], rec["cycle_growth_ms"], **common))
+                rows.append(_q("draft_growth_ms", rec["arm"], rec["draft_growth_ms"], **common))
+                rows.append(
+                    _q(
+                        "draft_growth_per_step_ms",
+                        rec["arm"],
+                        rec["per_step_ms"],
+                        lo=rec.get("per_step_lo", math.nan),
+                        hi=rec.get("per_step_hi", math.nan),
+                        **common,
+                    )
+                )
+                rows.append(
+                    _q(
+                        "draft_share_pct",
+                        rec["arm"],
+                        100 * rec["share"],
+                        lo=100 * rec.get("share_lo", math.nan),
+                        hi=100 * rec.get("share_hi", math.nan),
+                        **common,
+                    )
+                )
+    # relative changes read off the rungs table
+    for key, group in an._groups(r, an.SERIES_KEYS):
+        if len(rungs) < 2:
+            break
+        g = group.set_index("rung")
+        first = rungs[0]
+        if first not in g.index:
+            continue
+        for to in rungs[1:]:
+            if to not in g.index:
+                continue
+            common = {
+                "k": _int_or_none(key.get("k")) or None,
+                "rung": to,
+                "rung_from": first,
+                **{c: key.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+            }
+            if key["arm"] != an.BASE_ARM:
+                rows.append(
+                    _q(
+                        "tok_per_verify_erosion_pct",
+                        key["arm"],
+                        -100
+                        * an.relative_change(float(g.at[first, "tok_per_verify"]), float(g.at[to, "tok_per_verify"])),
+                        **common,
+                    )
+                )
+    # the draft's cost on TTFT, and the windowed arms' recovery, at matched rung
+    if an.BASE_ARM in tidy.arms:
+        for rec in r[r["arm"] != an.BASE_ARM].to_dict("records"):
+            base = an._select(
+                r,
+                {
+                    "arm": an.BASE_ARM,
+                    "rung": rec["rung"],
+                    **{c: rec.get(c) for c in an.MATCH_KEYS if c in r.columns},
+                },
+            )
+            if base.empty:
+                continue
+            rows.append(
+                _q(
+                    "ttft_cost_pct",
+                    rec["arm"],
+                    100 * an.relative_change(float(base["ttft_s"].iloc[0]), float(rec["ttft_s"])),
+                    k=rec.get("k"),
+                    rung=rec["rung"],
+                    **{c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+                )
+            )
+    if tidy.has_windowed:
+        for rec in an.cost_side_table(r, req, **boot).to_dict("records"):
+            k = _int_or_none(rec.get("k")) or 1
+            common = {
+                "k": rec.get("k"),
+                "rung": rec["rung"],
+                **{c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+            }
+            rows.append(_q("cost_side_ratio", rec["arm"], rec["ratio"], **common))
+            rows.append(
+                _q(
+                    "cost_side_wedge_pct",
+                    rec["arm"],
+                    100 * rec["wedge"],
+                    lo=100 * rec.get("wedge_lo", math.nan),
+                    hi=100 * rec.get("wedge_hi", math.nan),
+                    **common,
+                )
+            )
+            recovery = rec["step_nat_ms"] - rec["step_win_ms"]
+            rows.append(_q("wmtp_recovery_per_cycle_ms", rec["arm"], recovery, **common))
+            rows.append(_q("wmtp_recovery_per_step_ms", rec["arm"], recovery / k, **common))
+            rows.append(_q("wmtp_recovery_pct_of_decode", rec["arm"], 100 * recovery / rec["step_nat_ms"], **common))
+    out = pd.DataFrame(rows)
+    if not out.empty:
+        out["value"] = pd.to_numeric(out["value"], errors="coerce")
+        ident = [
+            "quantity",
+            "arm",
+            "k",
+            "rung",
+            "rung_from",
+            "position",
+            "model",
+            "engine",
+            "concurrency",
+            "sink",
+            "window",
+        ]
+        out = out.drop_duplicates(subset=ident).reset_index(drop=True)
+    return out
+
+
+def _matches(pub: pd.Series, meas: pd.DataFrame) -> pd.DataFrame:
+    sel = meas[meas["quantity"] == pub["quantity"]]
+    if pub["arm"]:
+        sel = sel[sel["arm"] == pub["arm"]]
+    for col in ("k", "rung", "rung_from", "position"):
+        if not pd.isna(pub[col]):
+            sel = sel[sel[col] == int(pub[col])]
+        elif col in ("rung_from", "position"):
+            sel = sel[sel[col].isna()]
+    return sel
+
+
+def _difference(pub: pd.Series, value: float, lo: float, hi: float) -> tuple[float, float, str]:
+    """(difference, relative difference, verdict) of a measured number against a published one."""
+    if np.isfinite(pub["value"]) and np.isfinite(value):
+        diff = value - pub["value"]
+        rel = diff / pub["value"] if pub["value"] else math.nan
+        verdict = ""
+        if np.isfinite(pub["pm"]):
+            verdict = "within ±" if abs(diff) <= pub["pm"] else "outside ±"
+        return diff, rel, verdict
+    if np.isfinite(pub["lo"]) or np.isfinite(pub["hi"]):
+        plo = pub["lo"] if np.isfinite(pub["lo"]) else -math.inf
+        phi = pub["hi"] if np.isfinite(pub["hi"]) else math.inf
+        if np.isfinite(value):
+            diff = 0.0 if plo <= value <= phi else (value - plo if value < plo else value - phi)
+            return diff, math.nan, "inside range" if diff == 0 else "outside range"
+        if np.isfinite(lo) and np.isfinite(hi):
+            return (
+                (lo - plo if np.isfinite(plo) else math.nan),
+                math.nan,
+                ("inside range" if plo <= lo and hi <= phi else "range differs"),
+            )
+    return math.nan, math.nan, ""
+
+
+def published_comparison(tidy: Tidy, published: pd.DataFrame, study: str, **boot: Any) -> Section:
+    """Measured vs published for every published number of ``study`` that this study measures.
+
+    One row per (published number, matching measured series). Published numbers the pipeline does
+    not measure (model facts, the recipe's headline, idle power) are listed in the note.
+    """
+    pub = published[published["study"] == study] if not published.empty else published
+    if pub.empty:
+        return Section(notes=(f"no published numbers for study '{study}'",))
+    meas = measured_quantities(tidy, **boot)
+    rows = []
+    unmatched = []
+    for _, p in pub.iterrows():
+        sel = _matches(p, meas) if not meas.empty else meas
+        if sel.empty:
+            unmatched.append(p["quantity"])
+            continue
+        for _, m in sel.iterrows():
+            diff, rel, verdict = _difference(p, m["value"], m["lo"], m["hi"])
+            rows.append(
+                {
+                    "quantity": p["quantity"],
+                    "arm": m["arm"],
+                    "k": m["k"],
+                    "sink": m["sink"],
+                    "window": m["window"],
+                    "rung": m["rung"],
+                    "rung_from": m["rung_from"],
+                    "position": m["position"],
+                    "unit": p["unit"],
+                    "published": p["value"],
+                    "published_pm": p["pm"],
+                    "published_lo": p["lo"],
+                    "published_hi": p["hi"],
+                    "measured": m["value"],
+                    "measured_lo": m["lo"],
+                    "measured_hi": m["hi"],
+                    "difference": diff,
+                    "relative_difference": rel,
+                    "verdict": verdict,
+                    "primary": p["primary"],
+                    "model": m["model"],
+                    "engine": m["engine"],
+                    "concurrency": m["concurrency"],
+                    "source_quote": p["source_quote"],
+                }
+            )
+    notes = []
+    if unmatched:
+        notes.append("published but not measured here: " + ", ".join(sorted(set(unmatched))))
+    if not rows:
+        return Section(notes=(*notes, f"nothing this study measured matches the published numbers of '{study}'"))
+    return Section(pd.DataFrame(rows), tuple(notes))
+
+
+def published_display(section: Section) -> pd.DataFrame:
+    """The comparison as a table for people."""
+    if not section.available:
+        return pd.DataFrame()
+    f = section.frame
+
+    def pub_text(r: pd.Series) -> str:
+        if np.isfinite(r["published"]):
+            pm = f" ± {_fmt(r['published_pm'])}" if np.isfinite(r["published_pm"]) else ""
+            return f"{_fmt(r['published'], 4)}{pm}"
+        lo = _fmt(r["published_lo"], 4) if np.isfinite(r["published_lo"]) else "…"
+        hi = _fmt(r["published_hi"], 4) if np.isfinite(r["published_hi"]) else "…"
+        return f"{lo}–{hi}"
+
+    def meas_text(r: pd.Series) -> str:
+        if np.isfinite(r["measured"]):
+            return fmt_ci(r["measured"], r["measured_lo"], r["measured_hi"], 4)
+        if np.isfinite(r["measured_lo"]):
+            return f"{_fmt(r['measured_lo'], 4)}–{_fmt(r['measured_hi'], 4)}"
+        return ""
+
+    def where(r: pd.Series) -> str:
+        parts = []
+        if not pd.isna(r["rung_from"]):
+            parts.append(f"{context_label(r['rung_from'])} → {context_label(r['rung'])}")
+        elif not pd.isna(r["rung"]):
+            parts.append(context_label(r["rung"]))
+        if not pd.isna(r["position"]):
+            parts.append(f"pos {int(r['position'])}")
+        return " ".join(parts)
+
+    return pd.DataFrame(
+        {
+            "quantity": f["quantity"],
+            "series": [series_label(r) for r in f.to_dict("records")],
+            "context": [where(r) for _, r in f.iterrows()],
+            "unit": f["unit"],
+            "published": [pub_text(r) for _, r in f.iterrows()],
+            "measured": [meas_text(r) for _, r in f.iterrows()],
+            "difference": [_fmt(v) for v in f["difference"]],
+            "relative": [f"{100 * v:+.1f} %" if np.isfinite(v) else "" for v in f["relative_difference"]],
+            "verdict": f["verdict"],
+        }
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Cost model (optional)
+# --------------------------------------------------------------------------------------------------
+
+MODELS_DIR = REPO_ROOT / "config" / "models"
+NOTE_COSTMODEL_SCOPE = (
+    "the cost model is a roofline at the replica's dtype and bandwidth; only bandwidth-free shapes are "
+    "compared here (the draft's share of the target's growth, the cost-side ratio), not milliseconds"
+)
+
+
+def model_file(model: str, models_dir: Path | str | None = None) -> Path | None:
+    """config/models/<name>.json for a study's model name: exact stem, else the longest stem it starts
+    with (``qwen3.6-35b-a3b-nvfp4`` → ``qwen3.6-35b-a3b.json``); None when there is none."""
+    models_dir = Path(models_dir) if models_dir else MODELS_DIR
+    stems = {f.stem: f for f in models_dir.glob("*.json")} if models_dir.is_dir() else {}
+    if model in stems:
+        return stems[model]
+    prefixes = [st for st in stems if model.startswith(st)]
+    return stems[max(prefixes, key=len)] if prefixes else None
+
+
+def costmodel_section(tidy: Tidy, models_dir: Path | str | None = None) -> Section:
+    """Measured vs ``wmtp.costmodel.predict`` on the quantities that do not depend on bandwidth.
+
+    Rows (``quantity``): ``draft_share_pct`` (per draft step growth / target growth between the smallest
+    and each larger rung, predicted from the none and native step costs) for every drafting series,
+    and ``cost_side_ratio`` (step_nat / step_win) per rung for every windowed series. Columns: the
+    series keys, label, quantity, rung_from, rung, context, measured, predicted, difference.
+    """
+    try:
+        from wmtp.costmodel import predict
+    except ImportError:
+        return Section(notes=(NOTE_COSTMODEL_MISSING,))
+    if not tidy.has_drafting or an.BASE_ARM not in tidy.arms:
+        return Section(notes=("cost model: nothing to compare without a drafting arm and the none arm",))
+    notes: list[str] = [NOTE_COSTMODEL_SCOPE]
+    rows: list[dict[str, Any]] = []
+    rungs = an.rungs_of(tidy.rungs)
+    missing = sorted({m for m in tidy.rungs["model"].unique() if model_file(m, models_dir) is None})
+    if missing:
+        notes.append("cost model: no architecture file in config/models for " + ", ".join(map(str, missing)))
+    cache: dict[tuple[Any, ...], Any] = {}
+
+    def pred(path: Path, context: int, k: int, sink: int, window: int) -> Any:
+        key = (path, context, k, sink, window)
+        if key not in cache:
+            cache[key] = predict(path, int(context), int(k), int(sink), int(window))
+        return cache[key]
+
+    try:
+        for to in rungs[1:]:
+            tax = an.draft_tax_table(tidy.rungs, rung_from=rungs[0], rung_to=to)
+            for rec in tax.to_dict("records"):
+                path = model_file(rec["model"], models_dir)
+                if path is None:
+                    continue
+                k = int(rec["k"])
+                sink, window = (_int_or_none(rec.get("sink")) or 0), (_int_or_none(rec.get("window")) or 0)
+                p0, p1 = pred(path, rungs[0], k, sink, window), pred(path, to, k, sink, window)
+                step = "windowed" if rec["arm"] in an.WINDOWED_ARMS else "native"
+                predicted = an.draft_tax(
+                    p0.none.time_s * 1e3,
+                    p1.none.time_s * 1e3,
+                    getattr(p0, step).time_s * 1e3,
+                    getattr(p1, step).time_s * 1e3,
+                    k,
+                )
+                rows.append(
+                    {
+                        **{c: rec.get(c) for c in an.SERIES_KEYS},
+                        "quantity": "draft_share_pct",
+                        "rung_from": rungs[0],
+                        "rung": to,
+                        "measured": 100 * rec["share"],
+                        "predicted": 100 * predicted.share,
+                    }
+                )
+        if tidy.has_windowed:
+            for rec in an.cost_side_table(tidy.rungs).to_dict("records"):
+                path = model_file(rec["model"], models_dir)
+                if path is None:
+                    continue
+                p = pred(
+                    path,
+                    rec["rung"],
+                    int(rec["k"]),
+                    _int_or_none(rec.get("sink")) or 0,
+                    _int_or_none(rec.get("window")) or 0,
+                )
+                rows.append(
+                    {
+                        **{c: rec.get(c) for c in an.SERIES_KEYS},
+                        "quantity": "cost_side_ratio",
+                        "rung_from": None,
+                        "rung": rec["rung"],
+                        "measured": rec["ratio"],
+                        "predicted": float(p.ratio),
+                    }
+                )
+    except Exception as exc:  # the cost model is another module's code: report it, do not guess
+        return Section(notes=(*notes, f"cost model failed: {type(exc).__name__}: {exc}"))
+    if not rows:
+        return Section(notes=tuple(notes))
+    frame = pd.DataFrame(rows)
+    frame["difference"] = frame["measured"] - frame["predicted"]
+    return Section(_arm_order(add_labels(frame, tidy.rungs)), tuple(notes))
+
+
+def costmodel_display(section: Section) -> pd.DataFrame:
+    if not section.available:
+        return pd.DataFrame()
+    f = section.frame
+    names = {"draft_share_pct": "draft share of target growth (%)", "cost_side_ratio": "step_nat / step_win"}
+    return pd.DataFrame(
+        {
+            "series": f["label"],
+            "quantity": [names.get(q, q) for q in f["quantity"]],
+            "context": [
+                f"{context_label(a)} → {context_label(b)}" if not pd.isna(a) else context_label(b)
+                for a, b in zip(f["rung_from"], f["rung"], strict=True)
+            ],
+            "measured": [_fmt(v) for v in f["measured"]],
+            "cost model": [_fmt(v) for v in f["predicted"]],
+            "difference": [_fmt(v) for v in f["difference"]],
+        }
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Everything the notebook needs, in one object
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReportData:
+    study: str
+    tidy: Tidy
+    published: pd.DataFrame
+    replica: pd.DataFrame | None
+    overview: pd.DataFrame
+    decode: Section
+    speedup: Section
+    speedup_change: Section
+    cycle: Section
+    draft_tax: Section
+    acceptance: Section
+    positions: Section
+    energy: Section
+    prefill: Section
+    wedge: Section
+    paper_claim: dict[str, float] | None
+    published_vs_measured: Section
+    costmodel: Section
+
+
+def load_report_data(
+    study: str,
+    tidy_dir: Path | str,
+    published_dir: Path | str | None = None,
+    replica_path: Path | str | None = None,
+    *,
+    n_boot: int = an.DEFAULT_N_BOOT,
+    seed: int = an.DEFAULT_SEED,
+) -> ReportData:
+    """Loads and derives everything the report shows. ``replica_path`` '' or None: the default location."""
+    tidy = load_tidy(tidy_dir)
+    published = load_published(published_dir)
+    replica = load_replica(replica_path or default_replica_path(tidy_dir))
+    boot = {"n_boot": n_boot, "seed": seed}
+    return ReportData(
+        study=study,
+        tidy=tidy,
+        published=published,
+        replica=replica,
+        overview=overview(tidy),
+        decode=decode_section(tidy, **boot),
+        speedup=speedup_section(tidy, **boot),
+        speedup_change=speedup_change_section(tidy, **boot),
+        cycle=cycle_section(tidy),
+        draft_tax=draft_tax_section(tidy, **boot),
+        acceptance=acceptance_section(tidy),
+        positions=positions_section(tidy),
+        energy=energy_section(tidy, **boot),
+        prefill=prefill_section(tidy, **boot),
+        wedge=wedge_section(tidy, replica, **boot),
+        paper_claim=paper_claim(published),
+        published_vs_measured=published_comparison(tidy, published, study, **boot),
+        costmodel=costmodel_section(tidy),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Figures and rendering
+# --------------------------------------------------------------------------------------------------
+
+
+def save_figure(fig: Any, figures_dir: Path | str, name: str, *, dpi: int = 120) -> Path:
+    """Saves a matplotlib figure as ``<name>.png`` and ``<name>.svg``; returns the PNG path."""
+    figures_dir = Path(figures_dir)
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    png = figures_dir / f"{name}.png"
+    fig.savefig(png, dpi=dpi, bbox_inches="tight")
+    fig.savefig(figures_dir / f"{name}.svg", bbox_inches="tight")
+    return png
+
+
+def img_tag(png_path: Path | str, alt: str) -> str:
+    """An ``<img>`` with the PNG embedded as a data URI and its alternative text (for the notebook)."""
+    import base64
+    import html
+
+    data = base64.b64encode(Path(png_path).read_bytes()).decode("ascii")
+    return f'<img src="data:image/png;base64,{data}" alt="{html.escape(alt, quote=True)}"/>'
+
+
+_HTML_TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
+{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+"""
+
+
+@contextlib.contextmanager
+def _venv_kernel() -> Iterator[None]:
+    """Makes kernel 'python3' this interpreter, for this process only.
+
+    A kernelspec named python3 pointing at ``sys.executable`` goes into a temporary directory that is
+    put first on JUPYTER_PATH, so a user-level or system 'python3' kernel cannot win. Nothing is
+    registered outside the temporary directory.
+    """
+    with tempfile.TemporaryDirectory(prefix="wmtp-kernel-") as tmp:
+        spec_dir = Path(tmp) / "kernels" / "python3"
+        spec_dir.mkdir(parents=True)
+        spec = {
+            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "Python 3 (wmtp)",
+            "language": "python",
+            "env": {"MPLBACKEND": "Agg"},
+        }
+        (spec_dir / "kernel.json").write_text(json.dumps(spec))
+        old = os.environ.get("JUPYTER_PATH")
+        os.environ["JUPYTER_PATH"] = os.pathsep.join(p for p in (tmp, old) if p)
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("JUPYTER_PATH", None)
+            else:
+                os.environ["JUPYTER_PATH"] = old
+
+
+def notebook_to_html(notebook_path: Path | str, html_path: Path | str) -> Path:
+    """Converts an executed notebook into one self-contained HTML page without code cells.
+
+    Images are embedded as data URIs; the CDN scripts (require.js, MathJax, Mermaid) are left out.
+    """
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.read(str(notebook_path), as_version=4)
+    with tempfile.TemporaryDirectory(prefix="wmtp-nbconvert-") as tmp:
+        template = Path(tmp) / "wmtp_report.html.j2"
+        template.write_text(_HTML_TEMPLATE)
+        exporter = HTMLExporter(
+            template_file=str(template),
+            exclude_input=True,
+            exclude_input_prompt=True,
+            exclude_output_prompt=True,
+            embed_images=True,
+        )
+        body, _ = exporter.from_notebook_node(nb)
+    html_path = Path(html_path)
+    html_path.write_text(body, encoding="utf-8")
+    return html_path
+
+
+def render_report(
+    study: str,
+    tidy_dir: Path | str,
+    out_dir: Path | str,
+    *,
+    published_dir: Path | str | None = None,
+    replica_path: Path | str | None = None,
+    notebook: Path | str | None = None,
+    timeout_s: int = 900,
+) -> Path:
+    """Runs the report notebook for one study with papermill and writes ``out_dir/index.html``.
+
+    Figures land in ``out_dir/figures`` (PNG + SVG each), the executed notebook in
+    ``out_dir/report.ipynb``. Returns the HTML path. The kernel is this interpreter (see
+    :func:`_venv_kernel`), so the pipeline venv that runs this function also runs the notebook.
+    """
+    import papermill as pm
+
+    out_dir = Path(out_dir).resolve()
+    figures_dir = out_dir / "figures"
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    tidy_dir = Path(tidy_dir).resolve()
+    load_tidy(tidy_dir)  # fail here, with the path in the message, rather than inside the kernel
+    parameters = {
+        "study": study,
+        "tidy_dir": str(tidy_dir),
+        "published_dir": str(Path(published_dir).resolve() if published_dir else PUBLISHED_DIR),
+        "figures_dir": str(figures_dir),
+        "replica_path": str(Path(replica_path).resolve()) if replica_path else "",
+    }
+    executed = out_dir / "report.ipynb"
+    with _venv_kernel():
+        pm.execute_notebook(
+            str(notebook or NOTEBOOK),
+            str(executed),
+            parameters=parameters,
+            kernel_name="python3",
+            cwd=str(out_dir),
+            progress_bar=False,
+            log_output=False,
+            execution_timeout=timeout_s,
+        )
+    return notebook_to_html(executed, out_dir / "index.html")
+
+
+def main_report(argv: Sequence[str] | None = None) -> int:
+    """``python -m wmtp report --study S --tidy DIR --out DIR [--published DIR] [--replica FILE]``."""
+    parser = argparse.ArgumentParser(prog="wmtp report", description="Render a study's report as one HTML page.")
+    parser.add_argument("--study", required=True, help="study name (as in the study config)")
+    parser.add_argument("--tidy", required=True, type=Path, help="results/<study>/tidy")
+    parser.add_argument("--out", required=True, type=Path, help="output directory (index.html, figures/)")
+    parser.add_argument("--published", type=Path, default=None, help=f"published CSVs (default {PUBLISHED_DIR})")
+    parser.add_argument(
+        "--replica",
+        type=Path,
+        default=None,
+        help="replica.parquet (default results/replica/tidy/replica.parquet next to --tidy)",
+    )
+    parser.add_argument("--notebook", type=Path, default=None, help=f"report notebook (default {NOTEBOOK})")
+    parser.add_argument("--timeout", type=int, default=900, help="per-cell timeout in seconds")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    html = render_report(
+        args.study,
+        args.tidy,
+        args.out,
+        published_dir=args.published,
+        replica_path=args.replica,
+        notebook=args.notebook,
+        timeout_s=args.timeout,
+    )
+    log.info("report written to %s", html)
+    return 0

@@ -1,0 +1,259 @@
+"""wmtp.report: published CSVs, figure-ready sections, and the real papermill + nbconvert rendering."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from wmtp import report
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = Path(__file__).parent / "fixtures" / "tidy_synthetic" / "make_tidy.py"
+PUBLISHED = ROOT / "config" / "published"
+SEEDS = Path("/work/shared/seeds")
+SEED_FILES = {"000": "000_84c7516a19c3c2df.txt", "001": "001_d02301b31b134d7f.txt", "003": "003_5bd80af221eaa6cc.txt"}
+COLUMNS = [
+    "study", "quantity", "arm", "k", "rung", "rung_from", "position", "value", "pm", "lo", "hi", "unit",
+    "primary", "source", "source_quote",
+]  # fmt: skip
+
+FULL_FIGURES = {
+    "decode_tok_s", "speedup", "cycle_ms", "tok_per_verify", "position_acceptance", "tok_per_j", "power_w",
+    "ttft_s", "prefill_tok_s", "cost_side_wedge",
+}  # fmt: skip
+BARE_FIGURES = FULL_FIGURES - {"tok_per_j", "power_w", "cost_side_wedge"}
+
+
+def _make_tidy():
+    spec = importlib.util.spec_from_file_location("make_tidy", FIXTURE)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def make_tidy():
+    return _make_tidy()
+
+
+@pytest.fixture(scope="module")
+def full_tidy_dir(tmp_path_factory, make_tidy) -> Path:
+    """Energy measured, windowed arms, and a GPU replica table at its default place."""
+    root = tmp_path_factory.mktemp("full")
+    make_tidy.write_replica(root / "results" / "replica" / "tidy" / "replica.parquet")
+    return make_tidy.write_tidy(root / "results" / "spark-128k" / "tidy", "spark-128k")
+
+
+@pytest.fixture(scope="module")
+def bare_tidy_dir(tmp_path_factory, make_tidy) -> Path:
+    """No power (no NVML), no windowed arm, no replica."""
+    root = tmp_path_factory.mktemp("bare")
+    return make_tidy.write_tidy(root / "results" / "spark-128k" / "tidy", "spark-128k", energy=False, windowed=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# Published CSVs
+# ------------------------------------------------------------------------------------------------
+
+
+def _number_forms(value: float) -> set[str]:
+    forms = {f"{value:g}", f"{value:.1f}", f"{value:.2f}", f"{value:.3f}"}
+    if float(value).is_integer():
+        forms |= {f"{int(value):,}", str(int(value))}
+    return forms
+
+
+@pytest.mark.parametrize("name", ["spark-128k.csv", "windowed-mtp-paper.csv"])
+def test_published_csv_shape_and_quotes(name: str):
+    frame = pd.read_csv(PUBLISHED / name, dtype=str, keep_default_na=False)
+    assert list(frame.columns) == COLUMNS
+    assert len(frame) > 0
+    have_seeds = all((SEEDS / f).exists() for f in SEED_FILES.values())
+    for row in frame.to_dict("records"):
+        numbers = [float(row[c]) for c in ("value", "lo", "hi") if row[c] != ""]
+        assert numbers, f"{name}: row {row['quantity']} states no number"
+        assert not (row["value"] and (row["lo"] or row["hi"])), "one number per row: a value or a range"
+        quote = row["source_quote"]
+        for number in numbers + ([float(row["pm"])] if row["pm"] else []):
+            assert any(form in quote for form in _number_forms(number)), (row["quantity"], number, quote)
+        if have_seeds:
+            seed = row["source"].split()[1]
+            assert quote in (SEEDS / SEED_FILES[seed]).read_text(), f"not verbatim in seed {seed}: {quote}"
+
+
+def test_load_published_types_and_the_headline_numbers():
+    pub = report.load_published(PUBLISHED, "spark-128k", primary_only=True)
+    sel = pub[(pub["quantity"] == "cycle_ms")].set_index(["arm", "rung"])["value"]
+    assert sel["none", 2040] == 14.14
+    assert sel["mtp", 131290] == 38.35
+    change = pub[pub["quantity"] == "speedup_change"].iloc[0]
+    assert (change["value"], change["pm"], change["rung_from"], change["rung"]) == (0.08, 0.032, 2040, 131290)
+    rng = pub[pub["quantity"] == "decode_tok_s_range"].iloc[0]
+    assert (rng["lo"], rng["hi"], rng["rung"]) == (90.2, 102.2, 32779)
+    claim = report.paper_claim(report.load_published(PUBLISHED))
+    assert claim == {"rung": 1_000_000.0, "lo": pytest.approx(0.28), "hi": pytest.approx(0.44)}
+    ring = report.load_published(PUBLISHED, "windowed-mtp-paper", primary_only=True)
+    kv = ring[ring["quantity"] == "kv_reclaimed_pct"].iloc[0]
+    assert (kv["lo"], kv["hi"]) == (7.7, 11.1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sections
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tokens", "label"),
+    [(2040, "2K"), (32779, "32K"), (131290, "131K"), (1536, "1.5K"), (512, "512"), (1_000_000, "1M"),
+     (1_048_576, "1M"), (262144, "262K")],
+)  # fmt: skip
+def test_context_label(tokens: int, label: str):
+    assert report.context_label(tokens) == label
+
+
+def test_context_ticks_collapse_near_duplicates():
+    assert report.context_ticks([131290, 131072, 2040, 1_000_000, 1_048_576]) == [2040, 131072, 1_000_000]
+
+
+def test_series_label():
+    assert report.series_label({"arm": "none", "k": 0, "sink": None, "window": None}) == "none"
+    assert report.series_label({"arm": "wmtp", "k": 3, "sink": 16, "window": 128}) == "wmtp k=3 S=16 W=128"
+
+
+def _plotted_columns_are_finite(section: report.Section, columns: list[str]) -> None:
+    for col in columns:
+        if col in section.frame.columns:
+            values = pd.to_numeric(section.frame[col], errors="coerce").to_numpy(float)
+            assert np.isfinite(values).all(), col
+
+
+def test_report_data_full(full_tidy_dir):
+    data = report.load_report_data("spark-128k", full_tidy_dir, PUBLISHED, n_boot=300)
+    for name in ("decode", "speedup", "speedup_change", "cycle", "draft_tax", "acceptance", "positions", "energy",
+                 "prefill", "wedge", "published_vs_measured"):  # fmt: skip
+        assert getattr(data, name).available, name
+    assert data.replica is not None
+    assert set(data.wedge.frame["source"]) == {"measured", "replica", "replica model"}
+    _plotted_columns_are_finite(data.wedge, ["wedge", "rung"])
+    _plotted_columns_are_finite(data.energy, ["tok_per_j", "power_w"])
+    cmp = data.published_vs_measured.frame.set_index(["quantity", "arm"])
+    change = cmp.loc[("speedup_change", "mtp")]
+    assert change["verdict"] == "within ±"
+    cyc = data.published_vs_measured.frame
+    cyc = cyc[cyc["quantity"] == "cycle_ms"]
+    assert (cyc["relative_difference"].abs() < 0.01).all()
+    share = data.published_vs_measured.frame.query("quantity == 'draft_share_pct'").iloc[0]
+    assert share["measured"] == pytest.approx(8.8, abs=1.0)
+
+
+def test_report_data_bare_says_what_is_missing(bare_tidy_dir):
+    data = report.load_report_data("spark-128k", bare_tidy_dir, PUBLISHED, n_boot=300)
+    assert not data.energy.available
+    assert report.NOTE_NO_POWER in data.energy.notes
+    assert not data.wedge.available
+    assert report.NOTE_NO_WINDOWED in data.wedge.notes
+    assert report.NOTE_NO_REPLICA in data.wedge.notes
+    assert data.replica is None
+    missing = " ".join(data.published_vs_measured.notes)
+    assert "tok_per_j" in missing and "power_w" in missing
+
+
+def test_report_data_for_a_cpu_shaped_study(tmp_path, make_tidy):
+    tidy = make_tidy.write_tidy(tmp_path / "results" / "embedded" / "tidy", "embedded", shape="cpu")
+    data = report.load_report_data("embedded", tidy, PUBLISHED, n_boot=200)
+    assert data.decode.available and data.speedup.available and data.acceptance.available
+    assert "no published numbers for study 'embedded'" in data.published_vs_measured.notes
+    assert report.NOTE_NO_POWER in data.energy.notes
+    _plotted_columns_are_finite(data.speedup, ["speedup", "lo", "hi"])
+
+
+def test_costmodel_missing_is_a_note(monkeypatch, full_tidy_dir):
+    monkeypatch.setitem(sys.modules, "wmtp.costmodel", None)  # import raises ImportError
+    section = report.costmodel_section(report.load_tidy(full_tidy_dir))
+    assert not section.available
+    assert section.notes == (report.NOTE_COSTMODEL_MISSING,)
+
+
+def test_costmodel_section_when_available(full_tidy_dir):
+    pytest.importorskip("wmtp.costmodel")
+    section = report.costmodel_section(report.load_tidy(full_tidy_dir))
+    assert section.available
+    share = section.frame.query("quantity == 'draft_share_pct' and arm == 'mtp' and rung == 131290").iloc[0]
+    # one draft attention layer against ten full-attention target layers: the roofline says 10 %
+    assert share["predicted"] == pytest.approx(10.0, abs=1.0)
+    assert set(section.frame["quantity"]) == {"draft_share_pct", "cost_side_ratio"}
+
+
+def test_model_file_prefix_match():
+    path = report.model_file("qwen3.6-35b-a3b-nvfp4")
+    if not (ROOT / "config" / "models" / "qwen3.6-35b-a3b.json").exists():
+        pytest.skip("config/models not present")
+    assert path is not None and path.name == "qwen3.6-35b-a3b.json"
+    assert report.model_file("tiny") is None
+
+
+def test_load_tidy_names_the_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        report.load_tidy(tmp_path / "nope")
+
+
+# ------------------------------------------------------------------------------------------------
+# Rendering: real papermill, real kernel (this interpreter), real nbconvert
+# ------------------------------------------------------------------------------------------------
+
+
+def _html_checks(html_path: Path, figures: set[str]) -> str:
+    html = html_path.read_text(encoding="utf-8")
+    fig_dir = html_path.parent / "figures"
+    pngs = {p.stem for p in fig_dir.glob("*.png")}
+    svgs = {p.stem for p in fig_dir.glob("*.svg")}
+    assert figures <= pngs, figures - pngs
+    assert pngs == svgs
+    assert html.count("<img") == len(pngs)
+    for tag in re.findall(r"<img[^>]*>", html):  # embedded (self-contained), with alternative text
+        assert 'src="data:image/png;base64,' in tag
+        assert re.search(r'alt="[^"]+"', tag) and "No description" not in tag
+    assert not re.search(r'<script[^>]+src="https?://', html)  # no CDN scripts
+    assert "import matplotlib" not in html and "load_report_data" not in html  # code cells hidden
+    assert "Traceback" not in html and "Error" not in re.sub(r"<style.*?</style>", "", html, flags=re.S)
+    assert "nan" not in re.sub(r"<[^>]+>", " ", re.sub(r"<(style|script).*?</\1>", "", html, flags=re.S)).split()
+    return html
+
+
+@pytest.mark.timeout(600)
+def test_render_full_report(tmp_path, full_tidy_dir):
+    out = tmp_path / "report"
+    assert report.main_report(["--study", "spark-128k", "--tidy", str(full_tidy_dir), "--out", str(out)]) == 0
+    html = _html_checks(out / "index.html", FULL_FIGURES)
+    assert "Study report" in html
+    assert report.NOTE_NO_POWER not in html
+    assert report.NOTE_NO_WINDOWED not in html
+    assert "paper: 1.28–1.44× at 1M" not in html  # legend text lives in the image, not the page
+    assert (out / "report.ipynb").exists()
+
+
+@pytest.mark.timeout(600)
+def test_render_report_without_power_or_windowed_arm(tmp_path, bare_tidy_dir):
+    out = tmp_path / "report"
+    html_path = report.render_report("spark-128k", bare_tidy_dir, out, published_dir=PUBLISHED)
+    html = _html_checks(html_path, BARE_FIGURES)
+    assert "not measured: no NVML on this machine" in html
+    assert "no windowed arm in this study" in html
+    assert "no GPU replica data" in html
+    for absent in ("tok_per_j", "power_w", "cost_side_wedge"):
+        assert not (out / "figures" / f"{absent}.png").exists()
+
+
+def test_venv_kernel_is_this_interpreter():
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    with report._venv_kernel():
+        spec = KernelSpecManager().get_kernel_spec("python3")
+    assert spec.argv[0] == sys.executable

@@ -199,6 +199,24 @@ def test_model_file_prefix_match():
     assert report.model_file("tiny") is None
 
 
+def test_replica_long_shape_is_normalised():
+    long = pd.DataFrame(
+        [
+            {"model": "m", "context": c, "k": 3, "arm": arm, "sink": 16, "window": 128, "measured_ms": ms,
+             "predicted_ms": ms, "measured_ratio": r, "predicted_ratio": r}
+            for c, r in ((131072, 1.1), (1048576, 1.4))
+            for arm, ms in (("none", 1.0), ("mtp", 2.0 * r), ("wmtp", 2.0))
+        ]
+    )  # fmt: skip
+    rep = report.normalise_replica(long)
+    assert list(rep["ratio"]) == [1.1, 1.4]
+    assert list(rep["context"]) == [131072, 1048576]
+    summary = pd.DataFrame({"model": ["m"], "context": [1], "k": [3], "sink": [16], "window": [128],
+                            "step_nat_ms": [3.0], "step_win_ms": [2.0]})  # fmt: skip
+    assert report.normalise_replica(summary)["ratio"].iloc[0] == 1.5
+    assert report.normalise_replica(pd.DataFrame({"x": [1]})).empty
+
+
 def test_load_tidy_names_the_missing_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         report.load_tidy(tmp_path / "nope")
@@ -257,3 +275,28 @@ def test_venv_kernel_is_this_interpreter():
     with report._venv_kernel():
         spec = KernelSpecManager().get_kernel_spec("python3")
     assert spec.argv[0] == sys.executable
+
+
+def _raw_fixture_studies() -> list[Path]:
+    """Fixture folders of real raw cell files (any tests/fixtures/*/ holding a cell's manifest.json)."""
+    fixtures = Path(__file__).parent / "fixtures"
+    return sorted(d for d in fixtures.iterdir() if d.is_dir() and next(d.rglob("manifest.json"), None) is not None)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("raw_dir", _raw_fixture_studies() or [None], ids=lambda p: p.name if p else "none")
+def test_render_from_real_raw_cells(tmp_path, raw_dir: Path | None):
+    """Real raw files → wmtp.tidy.collect → the report, whatever arms and power the run had."""
+    if raw_dir is None:
+        pytest.skip("no fixture of real raw cell files under tests/fixtures yet")
+    from wmtp.tidy import collect
+
+    cells = [m.parent for m in raw_dir.rglob("manifest.json")]
+    tidy = tmp_path / "results" / "real" / "tidy"
+    tables = collect(cells, tidy)
+    study = str(tables["rungs"]["study"].iloc[0])
+    html = report.render_report(study, tidy, tmp_path / "report", published_dir=PUBLISHED).read_text()
+    pngs = list((tmp_path / "report" / "figures").glob("*.png"))
+    assert {"decode_tok_s", "cycle_ms", "ttft_s", "prefill_tok_s"} <= {p.stem for p in pngs}
+    assert html.count("<img") == len(pngs)
+    assert "Traceback" not in html

@@ -143,8 +143,30 @@ def load_replica(path: Path | str | None) -> pd.DataFrame | None:
     path = Path(path)
     if not path.exists():
         return None
-    frame = pd.read_parquet(path)
+    frame = normalise_replica(pd.read_parquet(path))
     return frame if not frame.empty else None
+
+
+def normalise_replica(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per (model, context, k, sink, window[, backend]) with ``ratio`` and ``predicted_ratio``.
+
+    Accepts the summary shape (step_nat_ms, step_win_ms, ratio, predicted_ratio) and the long
+    per-arm shape of ``wmtp.replica.tidy`` (arm, measured_ms, measured_ratio, predicted_ratio).
+    """
+    if frame.empty:
+        return frame
+    out = frame.copy()
+    if "arm" in out.columns:
+        windowed = out[out["arm"] == "wmtp"]
+        out = windowed if not windowed.empty else out
+    if "ratio" not in out.columns and "measured_ratio" in out.columns:
+        out = out.rename(columns={"measured_ratio": "ratio"})
+    if "ratio" not in out.columns and {"step_nat_ms", "step_win_ms"} <= set(out.columns):
+        out["ratio"] = out["step_nat_ms"] / out["step_win_ms"]
+    if "ratio" not in out.columns or "context" not in out.columns:
+        return pd.DataFrame()
+    keys = [c for c in ("model", "context", "k", "sink", "window", "backend") if c in out.columns]
+    return out.drop_duplicates(subset=keys).reset_index(drop=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -515,9 +537,12 @@ def wedge_section(tidy: Tidy, replica: pd.DataFrame | None, **boot: Any) -> Sect
         rep["arm"] = "wmtp"
         rep["wedge"] = pd.to_numeric(rep["ratio"], errors="coerce") - 1.0
         rep["context"] = [context_label(c) for c in rep["rung"]]
+        backends = rep["backend"] if "backend" in rep.columns else pd.Series([None] * len(rep), index=rep.index)
+        several = backends.nunique(dropna=True) > 1
         rep["label"] = [
             f"replica {m} {series_label({'arm': 'wmtp', 'k': k, 'sink': sk, 'window': w})}"
-            for m, k, sk, w in zip(rep["model"], rep["k"], rep["sink"], rep["window"], strict=True)
+            + (f" [{b}]" if several and b is not None else "")
+            for m, k, sk, w, b in zip(rep["model"], rep["k"], rep["sink"], rep["window"], backends, strict=True)
         ]
         parts.append(rep.assign(source="replica"))
         if "predicted_ratio" in rep.columns and pd.to_numeric(rep["predicted_ratio"], errors="coerce").notna().any():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -28,6 +28,8 @@ class Completion:
     # Per generated token: {token_id: logprob} of the top candidates, when logprobs were requested.
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    # Response fields outside the OpenAI schema (e.g. SGLang's ``sglext``), by key; the last chunk wins.
+    extensions: dict = field(default_factory=dict)
 
     @property
     def decode_s(self) -> float:
@@ -39,11 +41,17 @@ def _token_id(token: str) -> int:
     return int(token.rsplit(":", 1)[1])
 
 
+_OPENAI_KEYS = frozenset({"id", "object", "created", "model", "choices", "usage", "system_fingerprint"})
+
+
 def complete(base_url: str, model: str, prompt: str, max_tokens: int, *, temperature: float = 0.0,
              logprobs: int | None = None, ignore_eos: bool = True, timeout_s: float = 600.0,
              on_first_token: Callable[[], None] | None = None,
-             client: httpx.Client | None = None) -> Completion:
-    """One streamed completion; greedy by default, fixed length (ignore_eos)."""
+             client: httpx.Client | None = None, extra_body: Mapping | None = None) -> Completion:
+    """One streamed completion; greedy by default, fixed length (ignore_eos).
+
+    ``extra_body`` adds engine-specific request fields (SGLang: ``return_spec_tokens_details``).
+    """
     body: dict = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
         "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos,
@@ -51,6 +59,8 @@ def complete(base_url: str, model: str, prompt: str, max_tokens: int, *, tempera
     if logprobs is not None:
         body["logprobs"] = logprobs
         body["return_tokens_as_token_ids"] = True
+    body.update(extra_body or {})
+    extensions: dict = {}
     own = client is None
     client = client or httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
     texts: list[str] = []
@@ -74,6 +84,7 @@ def complete(base_url: str, model: str, prompt: str, max_tokens: int, *, tempera
                 chunk = json.loads(payload)
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                extensions.update({k: v for k, v in chunk.items() if k not in _OPENAI_KEYS and v is not None})
                 for choice in chunk.get("choices") or []:
                     if first_at is None:
                         first_at = time.monotonic()
@@ -99,4 +110,5 @@ def complete(base_url: str, model: str, prompt: str, max_tokens: int, *, tempera
     return Completion(text="".join(texts), prompt_tokens=int(usage["prompt_tokens"]),
                       completion_tokens=int(usage["completion_tokens"]), ttft_s=first_at - started,
                       e2e_s=finished - started, started_at=started, first_token_at=first_at,
-                      finished_at=finished, token_ids=token_ids, top_logprobs=tops, finish_reason=finish)
+                      finished_at=finished, token_ids=token_ids, top_logprobs=tops, finish_reason=finish,
+                      extensions=extensions)

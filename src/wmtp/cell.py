@@ -100,6 +100,7 @@ def _measure(run: CellRun, meter: PowerMeter, base_url: str, served: str, prompt
              repeat: int, max_tokens: int, warmup: bool, client: httpx.Client) -> list[dict[str, Any]]:
     """One repeat: ``len(prompts)`` concurrent requests. Energy windows per request at concurrency 1."""
     per_request_windows = len(prompts) == 1 and not warmup and meter.available
+    engine = adapter(run.study.engine(run.cell.engine).kind)
     results: list[Completion | BaseException | None] = [None] * len(prompts)
     windows: list[tuple[EnergyWindow | None, EnergyWindow | None]] = [(None, None)] * len(prompts)
 
@@ -119,7 +120,7 @@ def _measure(run: CellRun, meter: PowerMeter, base_url: str, served: str, prompt
                                      temperature=run.protocol.temperature,
                                      logprobs=2 if run.protocol.record_tokens else None,
                                      timeout_s=run.protocol.request_timeout_s, on_first_token=first_token,
-                                     client=client)
+                                     client=client, extra_body=getattr(engine, "REQUEST_EXTRA", None))
             if per_request_windows:
                 windows[slot] = (prefill_w[0], meter.end_window(name + "/decode"))
         except BaseException as err:
@@ -147,6 +148,8 @@ def _measure(run: CellRun, meter: PowerMeter, base_url: str, served: str, prompt
         prefill_w, decode_w = windows[slot]
         run.windows += [w for w in (prefill_w, decode_w) if w is not None]
         rows.append(_request_row(run.cell, rung, repeat, slot, warmup, result, prefill_w, decode_w))
+        if hasattr(engine, "request_fields"):  # per-request spec-decode counts (SGLang)
+            rows[-1].update(engine.request_fields(result.extensions))
     return rows
 
 
@@ -182,6 +185,9 @@ def _sweep(run: CellRun, meter: PowerMeter, base_url: str, served: str, factory:
                 run.windows.append(meter.end_window(rung_window))
             after = engine.read_counters(base_url)
             t_after = time.time()
+            if hasattr(engine, "counters_from_requests"):  # server counters cannot be differenced (SGLang)
+                measured = [r for r in run.rows if r["rung"] == rung and not r["warmup"]]
+                after = {**after, **engine.counters_from_requests(measured, run.cell.arm, run.cell.k)}
             d = counters_mod.delta(before, after)
             for name in sorted(set(before) | set(after)):
                 run.counter_rows.append({"cell_id": run.cell.cell_id, "rung": rung, "counter": name,
@@ -217,6 +223,8 @@ def run_cell(run: CellRun) -> Path:
     served = cell.model
     python = run.engine_manifest["python"]
     engine = adapter(spec.kind)
+    if hasattr(engine, "check_cell"):
+        engine.check_cell(spec, run.engine_manifest, cell, [*spec.serve_args, *model.serve_args])
     argv = engine.serve_argv(python, run.model_dir, served, port, max_model_len=model.max_model_len,
                                    arm=cell.arm, k=cell.k, sink=cell.sink, window=cell.window,
                                    engine_args=spec.serve_args, model_args=model.serve_args)

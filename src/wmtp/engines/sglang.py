@@ -1,0 +1,254 @@
+"""SGLang adapter: serve argv, health probe, per-request spec-decode counts, version checks.
+
+GPU only: SGLang's kernels are CUDA-only, so a CPU box can build argv and parse responses but cannot
+serve (``check_cell`` refuses ``device: cpu``).
+
+Arms (facts from the sglang 0.5.21 wheel's ``arg_groups/fields/spec.py`` and ``speculative_hook.py``):
+
+* ``mtp`` — the checkpoint's own MTP head: ``--speculative-algorithm NEXTN`` (SGLang's name for a
+  built-in MTP head; it resolves to its EAGLE worker, so ``EAGLE`` would do the same), a chain draft
+  (``--speculative-eagle-topk 1``, which hybrid GDN/Mamba targets require), k draft steps
+  (``--speculative-num-steps k``) and k+1 verified tokens (``--speculative-num-draft-tokens k+1``).
+* ``wmtp`` — the same plus upstream's windowed draft decode (sgl-project/sglang PR #32673, first
+  released in sglang 0.5.21): ``--speculative-draft-window-size W --speculative-draft-sink-size S``.
+  Each draft-decode step then reads the first S and the most recent W prefix tokens (token-granular,
+  unlike our block-granular vLLM plugin); the target's verify pass stays full-context. Only the
+  Triton and FlashInfer *draft* attention backends honour it — other backends (fa3, the usual
+  default on Hopper) silently read the full context — so every drafting arm gets
+  ``--speculative-draft-attention-backend`` (FlashInfer unless the study's serve_args choose Triton):
+  the same draft backend in ``mtp`` and ``wmtp``, so the arms differ only in the window.
+* ``wmtp-ring`` — ours, not upstream's: not built for SGLang yet (``RingNotBuilt``).
+
+Counters: SGLang's Prometheus spec metrics are gauges (acceptance length/rate), which cannot be
+differenced over a rung, so ``read_counters`` returns nothing and the counts come from each response.
+With ``return_spec_tokens_details: true`` (``REQUEST_EXTRA``), a streamed ``/v1/completions`` ends
+with a chunk whose ``choices`` is empty and whose ``sglext.spec_tokens_details`` holds the request's
+``spec_verify_ct`` (verify cycles), ``spec_num_correct_drafts`` and ``spec_correct_drafts_histogram``
+(cycles that accepted 0, 1, … k drafts); the native ``/generate`` carries the same keys in
+``meta_info``. ``counters_from_requests`` sums them over a rung into the short names the tidy step
+reads, chosen so that its ``1 + accepted / drafts`` is DESIGN.md's SGLang formula
+``tokPerVerify = completion_tokens / spec_verify_ct``:
+
+* ``drafts`` = Σ spec_verify_ct; ``draft_tokens`` = k · Σ spec_verify_ct;
+* ``accepted`` = Σ completion_tokens − Σ spec_verify_ct (so it also counts each request's first token,
+  which comes from prefill, not from a verify cycle: the acceptance rate reads up to 1/verify_ct high);
+* ``correct_drafts`` = Σ spec_num_correct_drafts, the strict count, when every response has it;
+* ``accepted_pos_<p>`` = cycles that accepted more than p drafts, from the histograms, when present.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+HEALTH_PATH = "/health"
+# The first sglang release whose server args have both window flags (checked in the 0.5.18–0.5.21
+# wheels: 0.5.20 had --speculative-draft-window-size for EAGLE-3/DFLASH only, no sink, no MTP path).
+FIRST_WINDOWED_VERSION = "0.5.21"
+WINDOW_FLAGS = ("--speculative-draft-window-size", "--speculative-draft-sink-size")
+DRAFT_BACKEND_FLAG = "--speculative-draft-attention-backend"
+# Draft attention backends whose multi-step draft decode honours the window (PR #32673).
+WINDOW_BACKENDS = ("flashinfer", "triton")
+DEFAULT_DRAFT_BACKEND = "flashinfer"
+# Flags the arm owns: a study's serve_args must not set them.
+ARM_FLAGS = ("--speculative-algorithm", "--speculative-num-steps", "--speculative-eagle-topk",
+             "--speculative-num-draft-tokens", *WINDOW_FLAGS)
+# Asked of every request so that the response carries its spec-decode counts.
+REQUEST_EXTRA = {"return_spec_tokens_details": True}
+
+
+class SGLangError(ValueError):
+    """A cell that SGLang cannot run as configured; the message names what to change."""
+
+
+class RingNotBuilt(SGLangError):
+    pass
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` in an argv (``--flag v`` or ``--flag=v``); the last one wins, as in argparse."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def draft_backend(extra_args: Sequence[str]) -> str:
+    """The draft attention backend a drafting arm runs with: the study's choice, else FlashInfer."""
+    return _flag_value(extra_args, DRAFT_BACKEND_FLAG) or DEFAULT_DRAFT_BACKEND
+
+
+def speculative_args(arm: str, k: int, sink: int | None, window: int | None,
+                     extra_args: Sequence[str] = ()) -> list[str]:
+    """The speculative flags of an arm (empty for ``none``); ``extra_args`` are the study's serve_args."""
+    owned = [flag for flag in ARM_FLAGS if _has_flag(extra_args, flag)]
+    if owned:
+        raise SGLangError(f"engine/model serve_args set {', '.join(owned)}, which the arm sets; remove them "
+                          "(the arm, k, sink and window of a cell decide them)")
+    if arm == "none":
+        return []
+    if arm == "wmtp-ring":
+        raise RingNotBuilt("arm 'wmtp-ring' on SGLang is not built yet: upstream SGLang windows the draft's "
+                           "reads (--speculative-draft-window-size) but has no compact ring buffer for the draft "
+                           "KV; run 'wmtp' on SGLang, or 'wmtp-ring' on a vLLM engine (the wmtp plugin)")
+    if arm not in ("mtp", "wmtp"):
+        raise SGLangError(f"unknown arm {arm!r}")
+    if k < 1:
+        raise SGLangError(f"arm {arm!r} needs k ≥ 1 (got {k})")
+    args = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(k),
+            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(k + 1)]
+    backend = draft_backend(extra_args)
+    if not _has_flag(extra_args, DRAFT_BACKEND_FLAG):
+        args += [DRAFT_BACKEND_FLAG, backend]
+    if arm == "wmtp":
+        if backend not in WINDOW_BACKENDS:
+            raise SGLangError(f"arm 'wmtp': draft attention backend {backend!r} ignores the draft window; set "
+                              f"{DRAFT_BACKEND_FLAG} to one of {', '.join(WINDOW_BACKENDS)} in the engine's "
+                              "serve_args (or leave it out for FlashInfer)")
+        if window is None or window < 1:
+            raise SGLangError(f"arm 'wmtp' needs a window ≥ 1 (got {window})")
+        if sink is None or sink < 0:
+            raise SGLangError(f"arm 'wmtp' needs a sink ≥ 0 (got {sink})")
+        args += [WINDOW_FLAGS[0], str(window), WINDOW_FLAGS[1], str(sink)]
+    return args
+
+
+def serve_argv(python: str, model_dir: Path | str, served_name: str, port: int, *, max_model_len: int,
+               arm: str, k: int, sink: int | None = None, window: int | None = None,
+               engine_args: list[str] | None = None, model_args: list[str] | None = None,
+               host: str = "127.0.0.1") -> list[str]:
+    """The server command as a list (never a shell string)."""
+    extra = list(engine_args or []) + list(model_args or [])
+    argv = [python, "-m", "sglang.launch_server",
+            "--model-path", str(model_dir), "--served-model-name", served_name,
+            "--host", host, "--port", str(port), "--context-length", str(max_model_len)]
+    return argv + extra + speculative_args(arm, k, sink, window, extra)
+
+
+def server_env(engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path | None = None) -> dict[str, str]:
+    """Temporary files and kernel caches inside the cell's own directory, never the user's home."""
+    env = dict(engine_env)
+    env.setdefault("TMPDIR", str(tmp_dir or work_dir / "tmp"))
+    env.setdefault("TRITON_CACHE_DIR", str(work_dir / "triton-cache"))
+    env.setdefault("XDG_CACHE_HOME", str(work_dir / "cache"))
+    env.setdefault("DO_NOT_TRACK", "1")
+    return env
+
+
+def read_counters(base_url: str) -> dict[str, float]:
+    """Nothing: SGLang's spec metrics are gauges; the counts come per request (``counters_from_requests``)."""
+    return {}
+
+
+def check_cell(spec: Any, engine_manifest: Mapping[str, Any], cell: Any, extra_args: Sequence[str] = ()) -> None:
+    """Refuse, before a server starts, a cell this engine cannot run; the message says what to change.
+
+    ``extra_args`` are the engine's and the model's serve_args, as ``serve_argv`` gets them.
+    """
+    if getattr(spec, "device", "cuda") != "cuda":
+        raise SGLangError(f"engine {spec.name!r}: SGLang cannot run on a CPU box (CUDA-only kernels); set "
+                          "device: cuda and run on a GPU machine, or use a vLLM engine")
+    if cell.arm == "wmtp-ring":
+        speculative_args(cell.arm, cell.k, cell.sink, cell.window)  # raises RingNotBuilt
+    if cell.arm == "wmtp":
+        versions = engine_manifest.get("versions") or {}
+        if versions.get("draft_window_flags") is False:
+            raise SGLangError(
+                f"engine {spec.name!r}: sglang {versions.get('sglang', '?')} lacks {' and '.join(WINDOW_FLAGS)} "
+                f"(upstream PR #32673, first released in sglang {FIRST_WINDOWED_VERSION}); pin "
+                f"sglang>={FIRST_WINDOWED_VERSION} for arm 'wmtp'")
+        backend = draft_backend(extra_args)
+        honouring = versions.get("window_backends")
+        if honouring is not None and backend not in honouring:
+            raise SGLangError(f"engine {spec.name!r}: in sglang {versions.get('sglang', '?')} the {backend!r} draft "
+                              f"backend does not apply the draft window (only {honouring or 'none'} do); set "
+                              f"{DRAFT_BACKEND_FLAG} accordingly in the engine's serve_args")
+
+
+# --- per-request spec-decode counts ------------------------------------------------------------------
+
+def spec_details(extensions: Mapping[str, Any]) -> dict[str, Any]:
+    """The spec-decode statistics of one response, from ``sglext.spec_tokens_details`` (OpenAI-compatible
+    endpoints) or ``meta_info`` (native ``/generate``); empty when the server sent none (arm ``none``)."""
+    details: Any = (extensions.get("sglext") or {}).get("spec_tokens_details")
+    if details is None:
+        details = extensions.get("meta_info") or {}
+    if isinstance(details, list):  # n > 1 choices: one entry each; we always ask for one
+        details = details[0] if details else {}
+    return dict(details or {})
+
+
+def request_fields(extensions: Mapping[str, Any]) -> dict[str, Any]:
+    """Columns of requests.parquet for one response: verify cycles, correct drafts, accept histogram."""
+    details = spec_details(extensions)
+    verify = details.get("spec_verify_ct")
+    correct = details.get("spec_num_correct_drafts")
+    histogram = details.get("spec_correct_drafts_histogram")
+    if histogram is None:
+        histogram = details.get("spec_accept_histogram")  # older name
+    return {"spec_verify_ct": int(verify) if verify else None,
+            "spec_correct_drafts": int(correct) if correct is not None and verify else None,
+            "spec_accept_histogram": [int(x) for x in histogram] if histogram else None}
+
+
+def counters_from_requests(rows: Sequence[Mapping[str, Any]], arm: str, k: int) -> dict[str, float]:
+    """The rung's counters (short names, see the module docstring) from its measured request rows."""
+    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0}
+    if arm == "none" or not rows:
+        return out
+    missing = [r for r in rows if not r.get("spec_verify_ct")]
+    if missing:
+        first = missing[0]
+        raise SGLangError(
+            f"rung {first.get('rung')}: {len(missing)} of {len(rows)} responses carry no spec_verify_ct, so "
+            f"tokPerVerify cannot be computed; the server must answer return_spec_tokens_details "
+            f"(sglang>={FIRST_WINDOWED_VERSION}) and run a draft (arm {arm!r})")
+    verify = float(sum(r["spec_verify_ct"] for r in rows))
+    completion = float(sum(r["completion_tokens"] for r in rows))
+    out.update(drafts=verify, draft_tokens=k * verify, accepted=completion - verify)
+    if all(r.get("spec_correct_drafts") is not None for r in rows):
+        out["correct_drafts"] = float(sum(r["spec_correct_drafts"] for r in rows))
+    histograms = [r.get("spec_accept_histogram") for r in rows]
+    if all(h is not None and len(h) > 0 for h in histograms):
+        for p in range(k):
+            out[f"accepted_pos_{p}"] = float(sum(sum(h[p + 1:]) for h in histograms))
+    return out
+
+
+# Runs inside the engine environment. Reads sglang's source rather than importing it (importing the
+# server args pulls in torch and CUDA probes, and the engine rule runs on a cluster's login node), then
+# confirms through the real argument parser when that import works.
+VERSION_PROBE = (
+    "import argparse, importlib.metadata as md, importlib.util, json, pathlib, sys\n"
+    "info = {'python': sys.version.split()[0], 'sglang': md.version('sglang')}\n"
+    "for dist in ('torch', 'transformers', 'flashinfer-python', 'sgl-kernel', 'sglang-kernel'):\n"
+    "    try:\n"
+    "        info[dist] = md.version(dist)\n"
+    "    except md.PackageNotFoundError:\n"
+    "        pass\n"
+    "srt = pathlib.Path(next(iter(importlib.util.find_spec('sglang').submodule_search_locations))) / 'srt'\n"
+    "args_src = [srt / 'server_args.py', *sorted((srt / 'arg_groups').rglob('*.py'))]\n"
+    "text = '\\n'.join(p.read_text(errors='replace') for p in args_src if p.exists())\n"
+    f"fields = {tuple(f[2:].replace('-', '_') for f in WINDOW_FLAGS)!r}\n"
+    "info['draft_window_flags'] = all(f in text for f in fields)\n"
+    "backends = {b: srt / 'layers' / 'attention' / f'{b}_backend.py' for b in ('triton', 'flashinfer')}\n"
+    "info['window_backends'] = sorted(b for b, p in backends.items()\n"
+    "                                 if p.exists() and 'resolve_draft_decode_window' in p.read_text())\n"
+    "try:\n"
+    "    from sglang.srt import server_args as sa\n"
+    "    parser = argparse.ArgumentParser()\n"
+    "    sa.ServerArgs.add_cli_args(parser)\n"
+    "    options = {o for action in parser._actions for o in action.option_strings}\n"
+    f"    info['draft_window_flags_cli'] = all(f in options for f in {WINDOW_FLAGS!r})\n"
+    "except Exception as err:\n"
+    "    info['cli_check_error'] = repr(err)[:300]\n"
+    "print('WMTP-PROBE ' + json.dumps(info))\n"
+)

@@ -1,0 +1,236 @@
+"""The SGLang adapter on a CPU box: argv, version detection, response parsing, and one cell end to end
+against a stand-in server (tests/fixtures/sglang/fake_site) that speaks sglang 0.5.21's response shape."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pandas as pd
+import pytest
+
+from wmtp.client import complete
+from wmtp.config import Cell, EngineSpec, study_from_dict
+from wmtp.engines import adapter, sglang
+
+FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
+FAKE_SITE = FIXTURES / "fake_site"
+
+
+def _argv(arm: str, k: int = 3, sink: int | None = None, window: int | None = None, engine_args=None):
+    return sglang.serve_argv("/env/bin/python", "/models/q", "q", 8123, max_model_len=1_049_600, arm=arm, k=k,
+                             sink=sink, window=window, engine_args=engine_args or ["--mem-fraction-static", "0.8"],
+                             model_args=["--trust-remote-code"])
+
+
+def _value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_registered():
+    assert adapter("sglang") is sglang
+
+
+def test_none_arm_has_no_speculative_flags():
+    argv = _argv("none")
+    assert argv[:3] == ["/env/bin/python", "-m", "sglang.launch_server"]
+    assert _value(argv, "--model-path") == "/models/q" and _value(argv, "--context-length") == "1049600"
+    assert _value(argv, "--port") == "8123" and _value(argv, "--host") == "127.0.0.1"
+    assert not [a for a in argv if a.startswith("--speculative")]
+    assert "--trust-remote-code" in argv and "--mem-fraction-static" in argv
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_mtp_arm_is_a_nextn_chain_of_k_steps(k):
+    argv = _argv("mtp", k=k)
+    assert _value(argv, "--speculative-algorithm") == "NEXTN"
+    assert _value(argv, "--speculative-num-steps") == str(k)
+    assert _value(argv, "--speculative-eagle-topk") == "1"
+    assert _value(argv, "--speculative-num-draft-tokens") == str(k + 1)
+    # The same draft backend as the windowed arm, so the arms differ only in the window.
+    assert _value(argv, "--speculative-draft-attention-backend") == "flashinfer"
+    assert "--speculative-draft-window-size" not in argv
+
+
+def test_wmtp_arm_adds_window_sink_and_an_honouring_backend():
+    argv = _argv("wmtp", k=3, sink=64, window=4032)
+    assert _value(argv, "--speculative-draft-window-size") == "4032"
+    assert _value(argv, "--speculative-draft-sink-size") == "64"
+    assert _value(argv, "--speculative-draft-attention-backend") in sglang.WINDOW_BACKENDS
+    mtp = _argv("mtp", k=3)
+    assert [a for a in argv if a not in ("--speculative-draft-window-size", "4032",
+                                         "--speculative-draft-sink-size", "64")] == mtp
+
+
+def test_wmtp_keeps_a_chosen_triton_backend_and_refuses_one_that_ignores_the_window():
+    argv = _argv("wmtp", sink=0, window=128, engine_args=["--speculative-draft-attention-backend", "triton"])
+    assert argv.count("--speculative-draft-attention-backend") == 1
+    assert _value(argv, "--speculative-draft-attention-backend") == "triton"
+    with pytest.raises(sglang.SGLangError, match="'fa3' ignores the draft window"):
+        _argv("wmtp", sink=0, window=128, engine_args=["--speculative-draft-attention-backend=fa3"])
+
+
+def test_ring_arm_is_not_built_on_sglang():
+    with pytest.raises(sglang.RingNotBuilt, match="wmtp-ring' on SGLang is not built yet"):
+        _argv("wmtp-ring", sink=64, window=4032)
+
+
+def test_serve_args_may_not_set_what_the_arm_decides():
+    with pytest.raises(sglang.SGLangError, match="--speculative-num-steps"):
+        _argv("mtp", engine_args=["--speculative-num-steps", "2"])
+
+
+def test_server_env_keeps_caches_in_the_cell(tmp_path):
+    env = sglang.server_env({"HF_HUB_OFFLINE": "1"}, tmp_path / "work", tmp_path / "t")
+    assert env["TMPDIR"] == str(tmp_path / "t") and env["HF_HUB_OFFLINE"] == "1"
+    assert env["TRITON_CACHE_DIR"].startswith(str(tmp_path / "work"))
+    assert sglang.read_counters("http://127.0.0.1:1") == {}
+
+
+# --- version detection ------------------------------------------------------------------------------
+
+def _probe(site: Path) -> dict:
+    proc = subprocess.run([sys.executable, "-c", sglang.VERSION_PROBE], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, timeout=120, check=True)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("WMTP-PROBE "))
+    return json.loads(line[len("WMTP-PROBE "):])
+
+
+def test_probe_finds_the_window_flags_and_backends():
+    info = _probe(FAKE_SITE)
+    assert info["sglang"] == "0.5.21"
+    assert info["draft_window_flags"] is True and info["draft_window_flags_cli"] is True
+    assert info["window_backends"] == ["flashinfer", "triton"]
+
+
+def _old_site(tmp_path: Path) -> Path:
+    """The stand-in as sglang 0.5.20 was: a window option (EAGLE-3/DFLASH only) but no sink option."""
+    site = tmp_path / "site"
+    shutil.copytree(FAKE_SITE, site)
+    (site / "sglang-0.5.21.dist-info").rename(site / "sglang-0.5.20.dist-info")
+    meta = site / "sglang-0.5.20.dist-info" / "METADATA"
+    meta.write_text(meta.read_text().replace("0.5.21", "0.5.20"))
+    args = site / "sglang" / "srt" / "server_args.py"
+    args.write_text("\n".join(x for x in args.read_text().splitlines() if "sink" not in x))
+    for backend in (site / "sglang" / "srt" / "layers" / "attention").glob("*_backend.py"):
+        backend.write_text("# no draft window here\n")
+    return site
+
+
+def test_probe_and_check_cell_refuse_an_sglang_without_the_flags(tmp_path):
+    info = _probe(_old_site(tmp_path))
+    assert info["sglang"] == "0.5.20" and info["draft_window_flags"] is False
+    spec = EngineSpec(name="sg", kind="sglang", device="cuda", packages=["sglang==0.5.20"])
+    cell = Cell(study="s", model="m", engine="sg", arm="wmtp", k=3, sink=64, window=4032)
+    with pytest.raises(sglang.SGLangError, match=r"sglang 0.5.20 lacks .*first released in sglang 0.5.21"):
+        sglang.check_cell(spec, {"versions": info}, cell)
+    sglang.check_cell(spec, {"versions": info}, cell.model_copy(update={"arm": "mtp", "sink": None, "window": None}))
+
+
+def test_check_cell_refuses_cpu_and_ring():
+    cpu = EngineSpec(name="sg", kind="sglang", device="cpu", packages=["sglang==0.5.21"])
+    cell = Cell(study="s", model="m", engine="sg", arm="mtp", k=3)
+    with pytest.raises(sglang.SGLangError, match="cannot run on a CPU box"):
+        sglang.check_cell(cpu, {}, cell)
+    gpu = cpu.model_copy(update={"device": "cuda"})
+    with pytest.raises(sglang.RingNotBuilt):
+        sglang.check_cell(gpu, {}, Cell(study="s", model="m", engine="sg", arm="wmtp-ring", k=3, sink=1, window=8))
+
+
+# --- response parsing -------------------------------------------------------------------------------
+
+def _stream_client(text: str) -> httpx.Client:
+    seen = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.update(json.loads(request.content))
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    client = httpx.Client(transport=httpx.MockTransport(handler))
+    client.seen = seen  # type: ignore[attr-defined]
+    return client
+
+
+def test_streamed_completion_carries_spec_details():
+    client = _stream_client((FIXTURES / "completions_stream_mtp.sse").read_text())
+    result = complete("http://sglang", "m", "p", 9, client=client, extra_body=sglang.REQUEST_EXTRA)
+    assert client.seen["return_spec_tokens_details"] is True
+    assert result.completion_tokens == 9 and result.prompt_tokens == 12
+    fields = sglang.request_fields(result.extensions)
+    assert fields == {"spec_verify_ct": 3, "spec_correct_drafts": 5, "spec_accept_histogram": [0, 2, 0, 1]}
+
+
+def test_native_generate_meta_info_and_the_older_histogram_name():
+    meta = json.loads((FIXTURES / "generate_meta_info.json").read_text())
+    fields = sglang.request_fields({"meta_info": meta["meta_info"]})
+    assert fields == {"spec_verify_ct": 3, "spec_correct_drafts": 5, "spec_accept_histogram": [0, 2, 0, 1]}
+    assert sglang.request_fields({}) == {"spec_verify_ct": None, "spec_correct_drafts": None,
+                                         "spec_accept_histogram": None}
+
+
+def test_rung_counters_give_design_tok_per_verify():
+    rows = [{"rung": 64, "completion_tokens": 9, **sglang.request_fields(
+        {"sglext": {"spec_tokens_details": {"spec_verify_ct": 3, "spec_num_correct_drafts": 5,
+                                            "spec_correct_drafts_histogram": [0, 2, 0, 1]}}})},
+            {"rung": 64, "completion_tokens": 9, "spec_verify_ct": 4, "spec_correct_drafts": 4,
+             "spec_accept_histogram": [1, 2, 1, 0]}]
+    c = sglang.counters_from_requests(rows, "mtp", 3)
+    assert c["drafts"] == 7 and c["draft_tokens"] == 21
+    # tidy's 1 + accepted/drafts is DESIGN's completion_tokens / spec_verify_ct, pooled over the rung.
+    assert math.isclose(1 + c["accepted"] / c["drafts"], 18 / 7)
+    assert c["correct_drafts"] == 9
+    # Position p is accepted in every cycle that accepted more than p drafts.
+    assert [c[f"accepted_pos_{p}"] for p in range(3)] == [3 + 3, 1 + 1, 1 + 0]
+    assert sum(c[f"accepted_pos_{p}"] for p in range(3)) == c["correct_drafts"]
+    assert sglang.counters_from_requests(rows, "none", 0) == {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0}
+    with pytest.raises(sglang.SGLangError, match="no spec_verify_ct"):
+        sglang.counters_from_requests([{"rung": 64, "completion_tokens": 9, "spec_verify_ct": None}], "mtp", 3)
+
+
+# --- one study end to end against the stand-in server ------------------------------------------------
+
+def test_cells_against_a_stand_in_server(tmp_path, tiny_tokenizer):
+    from wmtp.cell import CellRun, run_cell
+    from wmtp.tidy import collect
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    shutil.copy(tiny_tokenizer, model_dir / "tokenizer.json")
+    raw = {
+        "study": "sg", "results_dir": str(tmp_path / "results"),
+        "engines": [{"name": "sg", "kind": "sglang", "device": "cuda", "source": "python",
+                     "python": sys.executable, "env": {"PYTHONPATH": str(FAKE_SITE)}}],
+        "models": [{"name": "m", "path": str(model_dir), "max_model_len": 4096}],
+        "arms": [{"name": "none"}, {"name": "mtp", "k": [3]}, {"name": "wmtp", "k": [3], "sink": [4], "window": [64]}],
+        "protocol": {"rungs": [64, 160], "repeats": 2, "output_tokens": 17, "warmup_requests": 1,
+                     "warmup_prompt_tokens": 16, "warmup_output_tokens": 4, "health_timeout_s": 60,
+                     "request_timeout_s": 60},
+    }
+    study = study_from_dict(raw, base_dir=tmp_path)
+    manifest = {"python": sys.executable, "engine": "sg", "kind": "sglang", "source": "python",
+                "versions": _probe(FAKE_SITE)}
+    dirs = []
+    for cell in study.cells():
+        out = tmp_path / "results" / "sg" / "raw" / cell.cell_id
+        run_cell(CellRun(study=study, cell=cell, out_dir=out, engine_manifest=manifest, model_dir=model_dir))
+        dirs.append(out)
+        argv = json.loads((out / "manifest.json").read_text())["argv"]
+        assert ("--speculative-draft-sink-size" in argv) == (cell.arm == "wmtp")
+    tables = collect(dirs, tmp_path / "tidy")
+    rungs = tables["rungs"].set_index(["arm", "rung"])
+    requests = tables["requests"]
+    for arm in ("mtp", "wmtp"):
+        for rung in (64, 160):
+            measured = requests[(requests["arm"] == arm) & (requests["rung"] == rung)]
+            want = measured["completion_tokens"].sum() / measured["spec_verify_ct"].sum()
+            assert math.isclose(rungs.loc[(arm, rung), "tok_per_verify"], want), (arm, rung)
+    assert (rungs.loc["none", "tok_per_verify"] == 1.0).all()
+    # The stand-in accepts 2 drafts a cycle without a window and 1 with it.
+    assert rungs.loc[("mtp", 64), "tok_per_verify"] > rungs.loc[("wmtp", 64), "tok_per_verify"]
+    counters = pd.read_parquet(dirs[1] / "counters.parquet")
+    assert {"drafts", "draft_tokens", "accepted", "correct_drafts", "accepted_pos_0"} <= set(counters["counter"])

@@ -14,6 +14,7 @@ import platform
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 import traceback
@@ -66,6 +67,7 @@ class CellRun:
     engine_manifest: dict
     model_dir: Path
     gpu_index: int | None = None
+    cache_dir: Path | None = None
     rows: list[dict[str, Any]] = field(default_factory=list)
     counter_rows: list[dict[str, Any]] = field(default_factory=list)
     windows: list[EnergyWindow] = field(default_factory=list)
@@ -208,13 +210,14 @@ def run_cell(run: CellRun) -> Path:
     """Run the cell; on success the raw files are in ``run.out_dir``. Raises on failure."""
     out_dir = run.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name in (*SUCCESS_FILES, "failure.json"):
+    for name in (*SUCCESS_FILES, "failure.json", "server.failed.log"):
         (out_dir / name).unlink(missing_ok=True)
     staging = out_dir / f".staging-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    work = out_dir / ".work"  # caches and temp files of the server; not part of the results
-    work.mkdir(exist_ok=True)
+    # The engine's compile caches are shared by the cells of one engine, outside the raw files.
+    cache_dir = run.cache_dir or (out_dir / ".cache")
+    cache_dir.mkdir(parents=True, exist_ok=True)
     cell, study = run.cell, run.study
     spec = study.engine(cell.engine)
     model = study.model(cell.model)
@@ -228,7 +231,8 @@ def run_cell(run: CellRun) -> Path:
     argv = engine.serve_argv(python, run.model_dir, served, port, max_model_len=model.max_model_len,
                                    arm=cell.arm, k=cell.k, sink=cell.sink, window=cell.window,
                                    engine_args=spec.serve_args, model_args=model.serve_args)
-    env = engine.server_env(spec.env, work.resolve())
+    short_tmp = Path(tempfile.mkdtemp(prefix="wmtp-"))
+    env = engine.server_env(spec.env, cache_dir.resolve(), short_tmp)
     server = ServerProcess(argv, env, staging / "server.log", base_url, engine.HEALTH_PATH)
     meter = open_meter(run.gpu_index)
     manifest: dict[str, Any] = {
@@ -293,3 +297,4 @@ def run_cell(run: CellRun) -> Path:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(short_tmp, ignore_errors=True)

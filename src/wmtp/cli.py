@@ -18,6 +18,7 @@ def _setup_logging(log_file: Path | None) -> None:
         handlers.append(logging.FileHandler(log_file))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         handlers=handlers, force=True)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _study(args: argparse.Namespace):
@@ -53,7 +54,8 @@ def cmd_cell_run(args: argparse.Namespace) -> int:
         raise ConfigError(f"cell {args.cell!r} is not in study {study.study!r}")
     engine_manifest = json.loads(Path(args.engine_manifest).read_text())
     run = CellRun(study=study, cell=cell, out_dir=Path(args.out), engine_manifest=engine_manifest,
-                  model_dir=Path(args.model_dir), gpu_index=args.gpu)
+                  model_dir=Path(args.model_dir), gpu_index=args.gpu,
+                  cache_dir=Path(args.engine_manifest).resolve().parent / "cache")
     run_cell(run)
     return 0
 
@@ -104,14 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("manifests", nargs="+", help="the manifest.json of each cell")
     p.set_defaults(func=cmd_collect)
 
-    p = sub.add_parser("report", help="render the study report (papermill → HTML)")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p = sub.add_parser("report", help="render the study report (papermill → HTML); options as wmtp.report",
+                       add_help=False)
     p.set_defaults(func=cmd_report)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "report":
+        args.rest = rest  # wmtp.report parses its own options
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     _setup_logging(args.log)
     try:
         return args.func(args)

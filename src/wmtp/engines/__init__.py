@@ -1,6 +1,6 @@
 """Engine adapters (one module per engine kind) and the engine environment build.
 
-An adapter module provides: ``serve_argv(...)``, ``server_env(engine_env, work_dir)``, ``HEALTH_PATH``,
+An adapter module provides: ``serve_argv(...)``, ``server_env(engine_env, work_dir, tmp_dir)``, ``HEALTH_PATH``,
 ``read_counters(base_url) -> dict[str, float]`` (cumulative spec-decode counters, short names) and
 ``VERSION_PROBE`` (Python source that prints ``WMTP-PROBE <json>`` inside the engine env).
 

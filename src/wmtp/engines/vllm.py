@@ -54,11 +54,15 @@ def serve_argv(python: str, model_dir: Path | str, served_name: str, port: int, 
     return argv
 
 
-def server_env(engine_env: Mapping[str, str], work_dir: Path) -> dict[str, str]:
-    """Caches and temporary files inside the cell's own directory, never the user's home."""
+def server_env(engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path) -> dict[str, str]:
+    """Caches inside the cell's own directory, never the user's home.
+
+    ``tmp_dir`` must be a short path: vLLM puts its ZMQ IPC sockets there, and a socket path is
+    limited to 107 characters.
+    """
     env = dict(engine_env)
-    env.setdefault("VLLM_CACHE_ROOT", str(work_dir / "vllm-cache"))
-    env.setdefault("TMPDIR", str(work_dir / "tmp"))
+    env.setdefault("VLLM_CACHE_ROOT", str(work_dir / "vllm"))
+    env.setdefault("TMPDIR", str(tmp_dir))
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
     return env

@@ -85,9 +85,17 @@ def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False) -> dic
         if old.get("spec_hash") == want and Path(python).exists():
             log.info("engine %s is up to date (%s)", spec.name, engine_dir)
             return old
-    if spec.source == "container":
-        raise EngineBuildError(f"engine {spec.name!r}: container engines are not built by this rule; "
-                               "pull the image with docker/apptainer and use it directly")
+    if spec.source == "container":  # nothing to install: record the image digest and self-check inside it
+        from wmtp.engines.container import ContainerError
+        from wmtp.engines.container import engine_manifest as container_manifest
+
+        try:
+            manifest = container_manifest(spec, engine_dir, want)
+        except ContainerError as err:
+            raise EngineBuildError(str(err)) from None
+        manifest_path.write_text(json.dumps(manifest, indent=2))
+        log.info("engine %s: image %s, digest %s", spec.name, spec.image, manifest["container"].get("digest"))
+        return manifest
     started = time.time()
     build_log = engine_dir / "build.log"
     # Marks a finished install, so a failed self-check can be fixed and rerun without reinstalling.

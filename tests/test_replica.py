@@ -97,23 +97,45 @@ def test_split_counts_do_not_change_the_result():
     assert rel_err(a, b) < BF16_TOL and rel_err(a, c) < BF16_TOL
 
 
-def test_recurrent_scan_first_token_is_outer_product():
+def _gdn_inputs(t=3, hk=2, hv=4, dk=8, dv=4):
+    return (
+        torch.randn(t, hk, dk),
+        torch.randn(t, hk, dk),
+        torch.randn(t, hv, dv),
+        torch.randn(t, hv),
+        torch.randn(t, hv),
+        torch.rand(hv),
+        torch.rand(hv),
+    )
+
+
+def test_mamba2_first_token_is_outer_product():
     hk, hv, dk, dv = 2, 4, 8, 4
-    q = torch.randn(1, hk, dk)
-    k = torch.randn(1, hk, dk)
-    v = torch.randn(1, hv, dv)
-    g = torch.zeros(1, hv)
+    c, b, x, _, dtraw, a_log, dt_bias = _gdn_inputs(1, hk, hv, dk, dv)
     s0 = torch.zeros(hv, dk, dv)
     so = torch.empty(1, hv, dk, dv)
-    o = rp.recurrent_scan(q, k, v, g, None, s0, so, 1.0, use_triton=False)
-    kk = k[0].repeat_interleave(2, 0)
-    qq = q[0].repeat_interleave(2, 0)
-    expect = torch.einsum("hk,hk->h", kk, qq)[:, None] * v[0]
-    assert torch.allclose(o[0], expect, atol=1e-5)
-    assert torch.allclose(so[0], kk[:, :, None] * v[0][:, None, :], atol=1e-6)
-    # delta rule with beta = 1 on a zero state: the same first step
-    o2 = rp.recurrent_scan(q, k, v, g, torch.ones(1, hv), s0, so, 1.0, use_triton=False)
-    assert torch.allclose(o2, o, atol=1e-5)
+    out = torch.empty(1, hv, dv)
+    d_skip = torch.rand(hv)
+    rp.fused_recurrence(True, c, b, x, None, dtraw, a_log, dt_bias, d_skip, s0, so, out, 1.0)
+    dt = torch.nn.functional.softplus(dtraw[0] + dt_bias)
+    bb, cc = b[0].repeat_interleave(2, 0), c[0].repeat_interleave(2, 0)
+    expect_h = bb[:, :, None] * (x[0] * dt[:, None])[:, None, :]
+    assert torch.allclose(so[0], expect_h, atol=1e-5)
+    expect_o = torch.einsum("hkv,hk->hv", expect_h, cc) + d_skip[:, None] * x[0]
+    assert torch.allclose(out[0], expect_o, atol=1e-5)
+
+
+def test_gdn_delta_rule_on_zero_state():
+    """From a zero state the delta rule writes beta * v along the normalised key."""
+    hk, hv, dk, dv = 2, 4, 8, 4
+    q, k, v, braw, graw, a_log, dt_bias = _gdn_inputs(1, hk, hv, dk, dv)
+    s0 = torch.zeros(hv, dk, dv)
+    so = torch.empty(1, hv, dk, dv)
+    out = torch.empty(1, hv, dv)
+    rp.fused_recurrence(False, q, k, v, braw, graw, a_log, dt_bias, None, s0, so, out, 0.5)
+    kn = torch.nn.functional.normalize(k[0], dim=-1, eps=0).repeat_interleave(2, 0)
+    beta = torch.sigmoid(braw[0])
+    assert torch.allclose(so[0], kn[:, :, None] * (v[0] * beta[:, None])[:, None, :], atol=1e-4)
 
 
 TINY_GDN = {
@@ -189,19 +211,65 @@ def test_shipped_model_builds_at_tiny_context_budget():
     reason="Triton kernels run on CPU only under TRITON_INTERPRET=1",
 )
 def test_triton_kernels_in_interpreter():
-    # float32: the interpreter mishandles bf16 (the device run checks bf16 against float32)
-    q, kc, vc = fresh(hq=8, hkv=2, d=32, n=300, t=4, dtype=torch.float32)
+    """Every fused kernel against its torch twin (float32: the interpreter mishandles bf16)."""
+    f32 = torch.float32
+    # attention with causal tail, a sink range and the output gate
+    q, kc, vc = fresh(hq=8, hkv=2, d=32, n=300, t=4, dtype=f32)
     end = kc.shape[0]
-    got = rp.decode_attention(q, kc, vc, [rp.KeyRange(0, end, causal_tail=4)], backend="triton", splits=3)
-    assert rel_err(got, sdpa_plain(q, kc, vc, end)) < BF16_TOL
-    t, hk, hv, dk, dv = 3, 2, 4, 16, 32
-    args = (torch.randn(t, hk, dk), torch.randn(t, hk, dk), torch.randn(t, hv, dv), -torch.rand(t, hv))
-    s0 = torch.randn(hv, dk, dv)
-    for beta in (None, torch.rand(t, hv)):
-        s1, s2 = torch.empty(t, hv, dk, dv), torch.empty(t, hv, dk, dv)
-        o1 = rp.recurrent_scan(*args, beta, s0, s1, 0.3, use_triton=True)
-        o2 = rp.recurrent_scan(*args, beta, s0, s2, 0.3, use_triton=False)
-        assert rel_err(o1, o2) < 1e-4 and rel_err(s1, s2) < 1e-4
+    gate = torch.randn(4, 8, 32)
+    for ranges in ([rp.KeyRange(0, end, causal_tail=4)], [rp.KeyRange(0, 4), rp.KeyRange(end - 64, end, 4)]):
+        got = rp.decode_attention(q, kc, vc, ranges, backend="triton", splits=3, gate=gate)
+        ref = rp.decode_attention(q, kc, vc, ranges, backend="math", splits=2, gate=gate)
+        assert rel_err(got, ref) < 1e-4
+    # rmsnorm on strided views, with a gate
+    y = torch.randn(5, 3, 80)
+    w = torch.rand(16)
+    for gate in (None, y[..., 64:80]):
+        a = rp.rms_norm_into(y[..., :16], w, torch.empty(5, 3, 16), gate=gate, impl="triton")
+        b = rp.rms_norm_into(y[..., :16], w, torch.empty(5, 3, 16), gate=gate, impl="torch")
+        assert rel_err(a, b) < 1e-5
+    # conv with state
+    x = torch.randn(4, 700)[:, :600]
+    cw = torch.randn(600, 4)
+    st1, st2 = torch.randn(3, 600), None
+    st2 = st1.clone()
+    o1, o2 = torch.empty(4, 600), torch.empty(4, 600)
+    rp.conv4_update(x, cw, st1, o1, "triton")
+    rp.conv4_update(x, cw, st2, o2, "torch")
+    assert rel_err(o1, o2) < 1e-5 and rel_err(st1, st2) < 1e-6
+    # recurrences
+    for mamba in (False, True):
+        t, hk, hv, dk, dv = 3, 2, 4, 16, 32
+        qq, kk, vv, braw, graw, a_log, dt_bias = _gdn_inputs(t, hk, hv, dk, dv)
+        s0 = torch.randn(hv, dk, dv)
+        outs = []
+        for impl in ("triton", "torch"):
+            so, o = torch.empty(t, hv, dk, dv), torch.empty(t, hv, dv)
+            rp.fused_recurrence(mamba, qq, kk, vv, braw, graw, a_log, dt_bias, torch.rand(hv) * 0 + 1, s0, so, o,
+                                0.3, impl)  # fmt: skip
+            outs.append((o, so))
+        assert rel_err(outs[0][0], outs[1][0]) < 1e-4 and rel_err(outs[0][1], outs[1][1]) < 1e-4
+    # expert activation with routing weights
+    for swiglu in (True, False):
+        u = torch.randn(3, 5 * (2 if swiglu else 1) * 24)
+        comb = torch.rand(7, 6)
+        a = rp.expert_act(u, 5, 24, swiglu, comb, torch.empty(3, 5 * 24), "triton")
+        b = rp.expert_act(u, 5, 24, swiglu, comb, torch.empty(3, 5 * 24), "torch")
+        assert rel_err(a, b) < 1e-5
+    # a whole tiny replica: fused vs torch
+    for model in (TINY_GDN, TINY_MAMBA):
+        rep = rp.Replica(cm.model_from_dict(model), 600, 3, "cpu", dtype=f32, impl="triton")
+        plan = rp.StepPlan(512, 3, "wmtp", 4, 64)
+        res = {}
+        saved = rep.save_conv_states()
+        for impl, backend in (("triton", "triton"), ("torch", "math")):
+            rep.set_impl(impl)
+            rep.load_conv_states(saved)
+            xx = rep.target_body(plan, rp.AttnCtx(backend, splits=3))
+            dd = rep.draft_body(plan, 1, rep.tokens[:1], xx[-1:], rp.AttnCtx(backend, splits=3))
+            res[impl] = (xx, dd)
+        assert rel_err(res["triton"][0], res["torch"][0]) < 1e-3
+        assert rel_err(res["triton"][1], res["torch"][1]) < 1e-3
 
 
 def test_tidy_joins_prediction(tmp_path):

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import logging
 import math
@@ -162,17 +163,23 @@ if HAVE_TRITON:
         LSE,
         start,
         end,
+        cstart,
         chunk,
+        p_offset,
         R,
+        T,
         stride_kn,
         stride_kh,
         qk_scale,
-        n_splits,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         D: tl.constexpr,
     ):
-        """One (chunk, KV head): attention of R folded query rows over keys [n0, n1)."""
+        """One (chunk, KV head): R folded query rows (row r is token r % T) over keys [n0, n1).
+
+        Causal to the end: key n is visible to token t iff n - cstart <= t (cstart = end for none).
+        Writes the chunk's normalised output and log-sum-exp at split index p_offset + chunk.
+        """
         pid_s = tl.program_id(0)
         pid_h = tl.program_id(1)
         n0 = start + pid_s * chunk
@@ -180,7 +187,8 @@ if HAVE_TRITON:
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
         q = tl.load(Q + pid_h * R * D + offs_m[:, None] * D + offs_d[None, :], mask=offs_m[:, None] < R, other=0.0)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        tok = offs_m % T
+        m_i = tl.zeros([BLOCK_M], tl.float32) - 1.0e30
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         k_base = K + pid_h * stride_kh
@@ -190,7 +198,8 @@ if HAVE_TRITON:
             kmask = offs_n < n1
             kt = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kmask[:, None], other=0.0)
             s = tl.dot(q, tl.trans(kt)) * qk_scale  # log2 domain
-            s = tl.where(kmask[None, :], s, float("-inf"))
+            vis = kmask[None, :] & ((offs_n[None, :] - cstart) <= tok[:, None])
+            s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -198,93 +207,182 @@ if HAVE_TRITON:
             vt = tl.load(v_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kmask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m_i = m_new
-        out = acc / l_i[:, None]
-        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural log
-        row = (pid_s * tl.num_programs(1) + pid_h) * R + offs_m
+        has = l_i > 0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        row = ((p_offset + pid_s) * tl.num_programs(1) + pid_h) * R + offs_m
         tl.store(Out + row[:, None] * D + offs_d[None, :], out, mask=offs_m[:, None] < R)
         tl.store(LSE + row, lse, mask=offs_m < R)
 
     @triton.jit
-    def _recurrent_kernel(
+    def _merge_kernel(
+        Part,
+        LSE,
+        Out,
+        Gate,
+        P,
+        R,
+        T,
+        G,
+        HKV,
+        s_ot,
+        s_oh,
+        s_gt,
+        s_gh,
+        D: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        HAS_GATE: tl.constexpr,
+    ):
+        """Merge P partials of one (KV head, row) with softmax weights of their LSEs -> out[t, q head]."""
+        pid = tl.program_id(0)
+        h = pid // R
+        r = pid % R
+        offs_d = tl.arange(0, D)
+        m = tl.zeros([], tl.float32) - 1.0e30
+        for p0 in range(0, P, BLOCK_P):
+            offs_p = p0 + tl.arange(0, BLOCK_P)
+            lse = tl.load(LSE + (offs_p * HKV + h) * R + r, mask=offs_p < P, other=float("-inf"))
+            m = tl.maximum(m, tl.max(lse, 0))
+        acc = tl.zeros([D], tl.float32)
+        den = tl.zeros([], tl.float32)
+        for p0 in range(0, P, BLOCK_P):
+            offs_p = p0 + tl.arange(0, BLOCK_P)
+            pm = offs_p < P
+            lse = tl.load(LSE + (offs_p * HKV + h) * R + r, mask=pm, other=float("-inf"))
+            w = tl.exp(lse - m)
+            o = tl.load(Part + ((offs_p * HKV + h) * R + r)[:, None] * D + offs_d[None, :], mask=pm[:, None], other=0.0)
+            acc += tl.sum(w[:, None] * o, 0)
+            den += tl.sum(w, 0)
+        out = acc / den
+        qh = h * G + r // T
+        t = r % T
+        if HAS_GATE:
+            gate = tl.load(Gate + t * s_gt + qh * s_gh + offs_d).to(tl.float32)
+            out = out * tl.sigmoid(gate)
+        tl.store(Out + t * s_ot + qh * s_oh + offs_d, out.to(Out.dtype.element_ty))
+
+    @triton.jit
+    def _rmsnorm_kernel(
+        X, W, Out, Gate, B, s_xa, s_xb, s_oa, s_ob, s_ga, s_gb, N, eps, BLOCK: tl.constexpr, HAS_GATE: tl.constexpr
+    ):
+        """RMSNorm of row (a, b) of a strided [A, B, N] view, optionally times silu(gate)."""
+        r = tl.program_id(0)
+        a = r // B
+        b = r % B
+        offs = tl.arange(0, BLOCK)
+        mask = offs < N
+        x = tl.load(X + a * s_xa + b * s_xb + offs, mask=mask, other=0.0).to(tl.float32)
+        y = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps) * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            z = tl.load(Gate + a * s_ga + b * s_gb + offs, mask=mask, other=0.0).to(tl.float32)
+            y = y * z * tl.sigmoid(z)
+        tl.store(Out + a * s_oa + b * s_ob + offs, y.to(Out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _conv4_kernel(X, s_x, W, S, Out, T, C, BLOCK_C: tl.constexpr):
+        """Causal depthwise conv (kernel 4) over T new rows with a 3-row state, SiLU; updates the state."""
+        offs = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = offs < C
+        w0 = tl.load(W + offs * 4 + 0, mask=mask, other=0.0).to(tl.float32)
+        w1 = tl.load(W + offs * 4 + 1, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(W + offs * 4 + 2, mask=mask, other=0.0).to(tl.float32)
+        w3 = tl.load(W + offs * 4 + 3, mask=mask, other=0.0).to(tl.float32)
+        s0 = tl.load(S + offs, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(S + C + offs, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(S + 2 * C + offs, mask=mask, other=0.0).to(tl.float32)
+        for t in range(T):
+            x = tl.load(X + t * s_x + offs, mask=mask, other=0.0).to(tl.float32)
+            y = w0 * s0 + w1 * s1 + w2 * s2 + w3 * x
+            y = y * tl.sigmoid(y)
+            tl.store(Out + t * C + offs, y.to(Out.dtype.element_ty), mask=mask)
+            s0 = s1
+            s1 = s2
+            s2 = x
+        tl.store(S + offs, s0.to(S.dtype.element_ty), mask=mask)
+        tl.store(S + C + offs, s1.to(S.dtype.element_ty), mask=mask)
+        tl.store(S + 2 * C + offs, s2.to(S.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _fused_recurrence_kernel(
         Q,
         K,
         V,
-        G,
-        B,
+        BRAW,
+        GRAW,
+        ALOG,
+        DTB,
+        DSKIP,
         S0,
         SOUT,
         Out,
+        s_q,
+        s_k,
+        s_v,
+        s_b,
+        s_g,
         T,
         HV,
-        HK,
         RATIO,
         scale,
         DK: tl.constexpr,
         DV: tl.constexpr,
         BV: tl.constexpr,
-        DELTA: tl.constexpr,
+        MAMBA: tl.constexpr,
     ):
-        """Gated (delta-rule) linear recurrence over T tokens; one program per (value block, head)."""
+        """Gated DeltaNet (MAMBA=False) or Mamba2 (MAMBA=True) decode over T tokens, gating fused in.
+
+        Reads the state once and writes the state after every token (speculative rollback slots).
+        """
         i_v = tl.program_id(0)
         i_h = tl.program_id(1)
         i_hk = i_h // RATIO
         offs_k = tl.arange(0, DK)
         offs_v = i_v * BV + tl.arange(0, BV)
         h = tl.load(S0 + i_h * DK * DV + offs_k[:, None] * DV + offs_v[None, :])
+        a = -tl.exp(tl.load(ALOG + i_h).to(tl.float32))
+        dtb = tl.load(DTB + i_h).to(tl.float32)
         for t in range(T):
-            q = tl.load(Q + (t * HK + i_hk) * DK + offs_k).to(tl.float32)
-            k = tl.load(K + (t * HK + i_hk) * DK + offs_k).to(tl.float32)
-            v = tl.load(V + (t * HV + i_h) * DV + offs_v).to(tl.float32)
-            g = tl.load(G + t * HV + i_h).to(tl.float32)
-            h = h * tl.exp(g)
-            if DELTA:
-                beta = tl.load(B + t * HV + i_h).to(tl.float32)
-                v = (v - tl.sum(h * k[:, None], 0)) * beta
-            h = h + k[:, None] * v[None, :]
-            o = tl.sum(h * q[:, None], 0) * scale
+            q = tl.load(Q + t * s_q + i_hk * DK + offs_k).to(tl.float32)
+            k = tl.load(K + t * s_k + i_hk * DK + offs_k).to(tl.float32)
+            v = tl.load(V + t * s_v + i_h * DV + offs_v).to(tl.float32)
+            x = tl.load(GRAW + t * s_g + i_h).to(tl.float32) + dtb
+            dt = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+            if MAMBA:
+                h = h * tl.exp(a * dt) + k[:, None] * (v * dt)[None, :]
+                o = tl.sum(h * q[:, None], 0) + tl.load(DSKIP + i_h).to(tl.float32) * v
+            else:
+                q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
+                k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+                beta = tl.sigmoid(tl.load(BRAW + t * s_b + i_h).to(tl.float32))
+                h = h * tl.exp(a * dt)
+                u = (v - tl.sum(h * k[:, None], 0)) * beta
+                h = h + k[:, None] * u[None, :]
+                o = tl.sum(h * q[:, None], 0)
             tl.store(Out + (t * HV + i_h) * DV + offs_v, o.to(Out.dtype.element_ty))
             tl.store(SOUT + ((t * HV + i_h) * DK + offs_k[:, None]) * DV + offs_v[None, :], h)
 
-
-#: Launch knobs of the split-KV kernel (block_n, num_warps, num_stages); None = heuristic.
-TRITON_ATTN_KNOBS: dict[str, int | None] = {"block_n": None, "num_warps": None, "num_stages": None}
-
-
-def _triton_partials(
-    qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, end: int, n_splits: int, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    qf = qf.contiguous()
-    h, r, d = qf.shape
-    length = end - start
-    chunk = -(-length // n_splits)
-    n_splits = -(-length // chunk)  # no empty chunk
-    block_m = max(16, triton.next_power_of_2(r))
-    out = torch.empty((n_splits, h, r, d), device=qf.device, dtype=torch.float32)
-    lse = torch.empty((n_splits, h, r), device=qf.device, dtype=torch.float32)
-    block_n = TRITON_ATTN_KNOBS["block_n"] or (64 if d <= 128 or block_m <= 32 else 32)
-    warps = TRITON_ATTN_KNOBS["num_warps"] or (8 if block_m * d >= 64 * 256 else 4)
-    stages = TRITON_ATTN_KNOBS["num_stages"] or 2
-    _split_kv_partial_kernel[(n_splits, h)](
-        qf,
-        k,
-        v,
-        out,
-        lse,
-        start,
-        end,
-        chunk,
-        r,
-        k.stride(0),
-        k.stride(1),
-        scale * 1.4426950408889634,
-        n_splits,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        D=d,
-        num_warps=warps,
-        num_stages=stages,
-    )
-    return out, lse
+    @triton.jit
+    def _act_kernel(
+        U, Cw, Out, NE, INTER, s_u, s_c, BLOCK: tl.constexpr, SWIGLU: tl.constexpr, HAS_SCALE: tl.constexpr
+    ):
+        """Expert activation of token t, expert e: silu(gate) * up (or relu^2), times its routing weight."""
+        pid = tl.program_id(0)
+        t = pid // NE
+        e = pid % NE
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < INTER
+        if SWIGLU:
+            base = U + t * s_u + e * 2 * INTER
+            g = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(base + INTER + offs, mask=mask, other=0.0).to(tl.float32)
+            y = g * tl.sigmoid(g) * u
+        else:
+            g = tl.load(U + t * s_u + e * INTER + offs, mask=mask, other=0.0).to(tl.float32)
+            y = tl.maximum(g, 0.0)
+            y = y * y
+        if HAS_SCALE:
+            y = y * tl.load(Cw + e * s_c + t).to(tl.float32)
+        tl.store(Out + (t * NE + e) * INTER + offs, y.to(Out.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -302,6 +400,213 @@ def auto_splits(length: int, num_kv_heads: int, sms: int = 132, min_chunk: int =
     return max(1, min(want, length // min_chunk))
 
 
+#: Split-KV launch knobs: a global override (CLI) and per-(head_dim, BLOCK_M) tuned choices.
+TRITON_ATTN_KNOBS: dict[str, int | None] = {"block_n": None, "num_warps": None, "num_stages": None}
+ATTN_TUNED: dict[tuple[int, int], tuple[int, int, int]] = {}
+LOG2E = 1.4426950408889634
+
+
+def _attn_launch(d: int, block_m: int) -> tuple[int, int, int]:
+    tuned = [bm for (dd, bm) in ATTN_TUNED if dd == d]
+    if tuned:  # the tuned class nearest in rows
+        default = ATTN_TUNED[(d, min(tuned, key=lambda bm: abs(math.log2(bm / block_m))))]
+    elif d >= 256:
+        default = (64, 4, 3)  # best of the probe on the H200 at 1M (84-86 % of copy for T = 1..6)
+    else:
+        default = (64, 4, 3) if block_m <= 64 else (32, 8, 3)
+    k = TRITON_ATTN_KNOBS
+    return (k["block_n"] or default[0], k["num_warps"] or default[1], k["num_stages"] or default[2])
+
+
+def _triton_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    ranges: Sequence[KeyRange],
+    splits: int | None,
+    sms: int,
+    scale: float,
+    gate: torch.Tensor | None,
+) -> torch.Tensor:
+    """Split-KV attention (causal tail masked in-kernel) + one merge kernel -> out [T, Hq, D]."""
+    hq, t, d = q.shape
+    hkv = k_cache.shape[1]
+    g = hq // hkv
+    r = g * t
+    qf = q.reshape(hkv, r, d)
+    if not qf.is_contiguous():
+        qf = qf.contiguous()
+    plan = []
+    for rng in ranges:
+        length = rng.end - rng.start
+        if length <= 0:
+            continue
+        n = splits or auto_splits(length, hkv, sms)
+        chunk = -(-length // n)
+        plan.append((rng.start, rng.end, rng.end - rng.causal_tail, chunk, -(-length // chunk)))
+    p_total = sum(p[-1] for p in plan)
+    part = torch.empty((p_total, hkv, r, d), device=q.device, dtype=torch.float32)
+    lse = torch.empty((p_total, hkv, r), device=q.device, dtype=torch.float32)
+    block_m = max(16, triton.next_power_of_2(r))
+    block_n, warps, stages = _attn_launch(d, block_m)
+    off = 0
+    for start, end, cstart, chunk, n in plan:
+        _split_kv_partial_kernel[(n, hkv)](
+            qf, k_cache, v_cache, part, lse, start, end, cstart, chunk, off, r, t,
+            k_cache.stride(0), k_cache.stride(1), scale * LOG2E,
+            BLOCK_M=block_m, BLOCK_N=block_n, D=d, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        off += n
+    out = torch.empty((t, hq, d), device=q.device, dtype=q.dtype)
+    gt = gate if gate is not None else out
+    _merge_kernel[(hkv * r,)](
+        part, lse, out, gt, p_total, r, t, g, hkv, out.stride(0), out.stride(1), gt.stride(0), gt.stride(1),
+        D=d, BLOCK_P=32, HAS_GATE=gate is not None, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+# ============================================================================================
+# Fused small ops (Triton on CUDA, the same math in torch elsewhere)
+# ============================================================================================
+
+
+def rms_norm_into(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    gate: torch.Tensor | None = None,
+    impl: str = "torch",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """out = rmsnorm(x) * w (* silu(gate)); x, out, gate: [A, N] or [A, B, N] views with unit last stride."""
+    result = out
+    if x.dim() == 2:
+        x, out = x.unsqueeze(1), out.unsqueeze(1)
+        gate = gate.unsqueeze(1) if gate is not None else None
+    n = x.shape[-1]
+    if impl == "triton":
+        gt = gate if gate is not None else x
+        _rmsnorm_kernel[(x.shape[0] * x.shape[1],)](
+            x, w, out, gt, x.shape[1], x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+            gt.stride(0), gt.stride(1), n, eps, BLOCK=triton.next_power_of_2(n), HAS_GATE=gate is not None,
+            num_warps=4 if n <= 1024 else 8,
+        )  # fmt: skip
+        return result
+    y = F.rms_norm(x.float(), (n,), w.float(), eps)
+    if gate is not None:
+        y = y * F.silu(gate.float())
+    out.copy_(y)
+    return result
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, impl: str = "torch") -> torch.Tensor:
+    return rms_norm_into(x, w, torch.empty_like(x), impl=impl)
+
+
+def conv4_update(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor, out: torch.Tensor, impl: str = "torch") -> None:
+    """Causal depthwise conv of width 4 with SiLU over x [T, C] (rows strided), state [3, C] updated."""
+    t, c = x.shape
+    if w.shape[1] != 4:
+        raise ValueError(f"conv kernel width must be 4 (got {w.shape[1]})")
+    if impl == "triton":
+        _conv4_kernel[(triton.cdiv(c, 512),)](x, x.stride(0), w, state, out, t, c, BLOCK_C=512, num_warps=4)
+        return
+    buf = torch.cat([state, x], 0)
+    win = buf.unfold(0, 4, 1)  # [T, C, 4]
+    out.copy_(F.silu((win.float() * w.float()).sum(-1)))
+    state.copy_(buf[t:])
+
+
+def fused_recurrence(
+    mamba: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    braw: torch.Tensor | None,
+    graw: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    d_skip: torch.Tensor | None,
+    state: torch.Tensor,
+    states_out: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    impl: str = "torch",
+) -> torch.Tensor:
+    """Decode step of Gated DeltaNet (delta rule, l2-normed q/k, beta = sigmoid(b)) or Mamba2.
+
+    q, k: [T, HK, DK]; v: [T, HV, DV] (row-strided views, heads packed); braw, graw: [T, HV];
+    dt = softplus(graw + dt_bias), decay = exp(-exp(a_log) * dt); state [HV, DK, DV] float32 is
+    read, states_out[t] receives the state after token t; out: [T, HV, DV].
+    """
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    for name, ten, dim in (("q", q, dk), ("k", k, dk), ("v", v, dv)):
+        if ten.stride(2) != 1 or ten.stride(1) != dim:
+            raise ValueError(f"fused_recurrence: {name} must be a [T, H, {dim}] view with packed heads")
+    if impl == "triton":
+        bv = min(32, dv)
+        b = braw if braw is not None else graw
+        _fused_recurrence_kernel[(dv // bv, hv)](
+            q, k, v, b, graw, a_log, dt_bias, d_skip if d_skip is not None else dt_bias, state, states_out, out,
+            q.stride(0), k.stride(0), v.stride(0), b.stride(0), graw.stride(0), t, hv, hv // hk, scale,
+            DK=dk, DV=dv, BV=bv, MAMBA=mamba, num_warps=4,
+        )  # fmt: skip
+        return out
+    ratio = hv // hk
+    h = state.clone()
+    a = -torch.exp(a_log.float())
+    for i in range(t):
+        qi = q[i].float().repeat_interleave(ratio, 0)
+        ki = k[i].float().repeat_interleave(ratio, 0)
+        vi = v[i].float()
+        dt = F.softplus(graw[i].float() + dt_bias.float())
+        if mamba:
+            assert d_skip is not None
+            h = h * torch.exp(a * dt)[:, None, None] + ki[:, :, None] * (vi * dt[:, None])[:, None, :]
+            o = torch.einsum("hkv,hk->hv", h, qi) + d_skip.float()[:, None] * vi
+        else:
+            assert braw is not None
+            qi = qi * torch.rsqrt((qi * qi).sum(-1, keepdim=True) + 1e-6) * scale
+            ki = ki * torch.rsqrt((ki * ki).sum(-1, keepdim=True) + 1e-6)
+            beta = torch.sigmoid(braw[i].float())
+            h = h * torch.exp(a * dt)[:, None, None]
+            u = (vi - torch.einsum("hkv,hk->hv", h, ki)) * beta[:, None]
+            h = h + ki[:, :, None] * u[:, None, :]
+            o = torch.einsum("hkv,hk->hv", h, qi)
+        out[i] = o.to(out.dtype)
+        states_out[i] = h
+    return out
+
+
+def expert_act(
+    u: torch.Tensor,
+    n_experts: int,
+    inter: int,
+    swiglu: bool,
+    combine: torch.Tensor | None,
+    out: torch.Tensor,
+    impl: str = "torch",
+) -> torch.Tensor:
+    """u [T, E*(2I|I)] -> out [T, E*I]: silu(gate)*up or relu^2, times combine[e, t] (routing weight)."""
+    t = u.shape[0]
+    if impl == "triton":
+        block = min(1024, triton.next_power_of_2(inter))
+        cw = combine if combine is not None else u
+        _act_kernel[(t * n_experts, triton.cdiv(inter, block))](
+            u, cw, out, n_experts, inter, u.stride(0), cw.stride(0),
+            BLOCK=block, SWIGLU=swiglu, HAS_SCALE=combine is not None, num_warps=4,
+        )  # fmt: skip
+        return out
+    uu = u.reshape(t, n_experts, -1).float()
+    y = F.silu(uu[..., :inter]) * uu[..., inter:] if swiglu else torch.square(F.relu(uu))
+    if combine is not None:
+        y = y * combine[:n_experts, :t].float().transpose(0, 1)[..., None]
+    out.copy_(y.reshape(t, n_experts * inter))
+    return out
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -312,15 +617,19 @@ def decode_attention(
     backend: str = "math",
     splits: int | None = None,
     sms: int = 132,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [Hq, T, D] over the union of key ranges of a [Ncap, Hkv, D] cache -> [Hq, T, D].
 
     A range with ``causal_tail = T`` ends with the T query tokens themselves: query t sees the
-    tail's first t + 1 keys.  Every other key is visible to every query.
+    tail's first t + 1 keys.  Every other key is visible to every query.  ``gate`` ([T, Hq, D],
+    any strides) multiplies the output by sigmoid(gate) (Qwen's gated attention).
     """
     hq, t, d = q.shape
     hkv = k_cache.shape[1]
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    if backend == "triton":
+        return _triton_attention(q, k_cache, v_cache, ranges, splits, sms, scale, gate).transpose(0, 1)
     qf = fold_queries(q, hkv)
     r = qf.shape[1]
     outs: list[torch.Tensor] = []
@@ -335,9 +644,7 @@ def decode_attention(
         length = body_end - rng.start
         if length > 0:
             n = splits or auto_splits(length, hkv, sms)
-            if backend == "triton":
-                add(*_triton_partials(qf, k_cache, v_cache, rng.start, body_end, n, scale))
-            elif backend == "aten":
+            if backend == "aten":
                 c = max(1, length // n)
                 n_even = length // c
                 even_end = rng.start + n_even * c
@@ -358,7 +665,10 @@ def decode_attention(
             mask = keys.unsqueeze(0) <= (rows_t + (tail - t)).unsqueeze(1)
             add(*_math_partial(qf, k_cache[body_end : rng.end], v_cache[body_end : rng.end], scale, mask))
     out, _ = merge_partials(torch.cat(outs), torch.cat(lses))
-    return unfold_output(out.to(q.dtype), hq, t)
+    o = unfold_output(out, hq, t)
+    if gate is not None:
+        o = o * torch.sigmoid(gate.float()).transpose(0, 1)
+    return o.to(q.dtype)
 
 
 def reference_attention(
@@ -381,73 +691,6 @@ def reference_attention(
 
 
 # ============================================================================================
-# Recurrent layers (Gated DeltaNet, Mamba2): state read once, one state written per token
-# ============================================================================================
-
-
-def recurrent_scan(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor | None,
-    state: torch.Tensor,
-    states_out: torch.Tensor,
-    scale: float,
-    *,
-    use_triton: bool | None = None,
-) -> torch.Tensor:
-    """h_t = exp(g_t) h_{t-1} + k_t (x) u_t with u = v (Mamba2) or beta (v - h^T k) (delta rule).
-
-    q, k: [T, HK, DK]; v: [T, HV, DV]; g, beta: [T, HV]; state: [HV, DK, DV] float32 (read);
-    states_out: [>=T, HV, DK, DV] float32 (state after each token, written). Returns o [T, HV, DV].
-    """
-    t, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
-    o = torch.empty_like(v)
-    if use_triton is None:
-        use_triton = HAVE_TRITON and q.is_cuda
-    if use_triton:
-        q, k, v, g = q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous()
-        beta = beta.float().contiguous() if beta is not None else None
-        bv = min(32, dv)
-        _recurrent_kernel[(dv // bv, hv)](
-            q,
-            k,
-            v,
-            g,
-            beta if beta is not None else g,
-            state,
-            states_out,
-            o,
-            t,
-            hv,
-            hk,
-            hv // hk,
-            scale,
-            DK=dk,
-            DV=dv,
-            BV=bv,
-            DELTA=beta is not None,
-            num_warps=4,
-        )
-        return o
-    ratio = hv // hk
-    h = state.clone()
-    for i in range(t):
-        qi = q[i].float().repeat_interleave(ratio, 0)  # [HV, DK]
-        ki = k[i].float().repeat_interleave(ratio, 0)
-        vi = v[i].float()
-        h = h * torch.exp(g[i].float())[:, None, None]
-        if beta is not None:
-            vi = (vi - torch.einsum("hkv,hk->hv", h, ki)) * beta[i].float()[:, None]
-        h = h + ki[:, :, None] * vi[:, None, :]
-        o[i] = (torch.einsum("hkv,hk->hv", h, qi) * scale).to(o.dtype)
-        states_out[i] = h
-    return o
-
-
-# ============================================================================================
 # The replica model
 # ============================================================================================
 
@@ -455,10 +698,6 @@ def recurrent_scan(
 def _w(shape: Sequence[int], device: torch.device, dtype: torch.dtype, fan_in: int | None = None) -> torch.Tensor:
     fan = fan_in if fan_in is not None else shape[-2] if len(shape) >= 2 else shape[-1]
     return torch.empty(tuple(shape), device=device, dtype=dtype).normal_(0.0, 1.0 / math.sqrt(fan))
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), w, 1e-6)
 
 
 @dataclass
@@ -479,7 +718,7 @@ class Timings:
 
 @dataclass
 class AttnCtx:
-    """How an attention layer attends this forward: the key ranges and the backend."""
+    """How an attention layer attends this forward: the backend and its split count."""
 
     backend: str
     splits: int | None = None
@@ -490,14 +729,14 @@ class AttnCtx:
 class Attention:
     """Full attention (Qwen gated attention or plain GQA) with its own KV cache of ``capacity`` tokens."""
 
-    def __init__(self, spec: cm.ModelSpec, capacity: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, spec: cm.ModelSpec, capacity: int, device: torch.device, dtype: torch.dtype, impl: str):
         a, h = spec.attention, spec.hidden_size
-        self.a = a
+        self.a, self.impl = a, impl
         self.q_out = a.num_q_heads * a.head_dim
         self.kv_out = a.num_kv_heads * a.head_dim
-        n_q = self.q_out * (2 if a.output_gate else 1)
+        self.n_q = self.q_out * (2 if a.output_gate else 1)
         self.norm = torch.ones(h, device=device, dtype=dtype)
-        self.w_qkv = _w((h, n_q + 2 * self.kv_out), device, dtype)
+        self.w_qkv = _w((h, self.n_q + 2 * self.kv_out), device, dtype)
         self.w_o = _w((self.q_out, h), device, dtype)
         self.q_norm = torch.ones(a.head_dim, device=device, dtype=dtype)
         self.k_norm = torch.ones(a.head_dim, device=device, dtype=dtype)
@@ -505,44 +744,43 @@ class Attention:
         self.v_cache = torch.empty_like(self.k_cache).normal_()
 
     def forward(self, x: torch.Tensor, pos: int, ranges: Sequence[KeyRange], ctx: AttnCtx) -> torch.Tensor:
-        a, t = self.a, x.shape[0]
-        y = _rms(x, self.norm) @ self.w_qkv
-        n_q = self.q_out * (2 if a.output_gate else 1)
-        qg = y[:, :n_q]
-        k = y[:, n_q : n_q + self.kv_out].view(t, a.num_kv_heads, a.head_dim)
-        v = y[:, n_q + self.kv_out :].view(t, a.num_kv_heads, a.head_dim)
+        a, t, d = self.a, x.shape[0], self.a.head_dim
+        y = rms(x, self.norm, self.impl) @ self.w_qkv
         if a.output_gate:
-            qg = qg.view(t, a.num_q_heads, 2 * a.head_dim)
-            q, gate = qg[..., : a.head_dim], qg[..., a.head_dim :]
+            qg = y[:, : self.n_q].view(t, a.num_q_heads, 2 * d)
+            q_src, gate = qg[..., :d], qg[..., d:]
         else:
-            q, gate = qg.view(t, a.num_q_heads, a.head_dim), None
-        q = _rms(q, self.q_norm)
-        self.k_cache[pos : pos + t] = _rms(k, self.k_norm)
-        self.v_cache[pos : pos + t] = v
-        qh = q.transpose(0, 1)  # [Hq, T, D]
+            q_src, gate = y[:, : self.n_q].view(t, a.num_q_heads, d), None
+        k_src = y[:, self.n_q : self.n_q + self.kv_out].view(t, a.num_kv_heads, d)
+        v_src = y[:, self.n_q + self.kv_out :].view(t, a.num_kv_heads, d)
+        qbuf = torch.empty((a.num_q_heads, t, d), device=x.device, dtype=x.dtype)  # [Hq, T, D]
+        rms_norm_into(q_src, self.q_norm, qbuf.transpose(0, 1), impl=self.impl)
+        rms_norm_into(k_src, self.k_norm, self.k_cache[pos : pos + t], impl=self.impl)
+        self.v_cache[pos : pos + t].copy_(v_src)
         if ctx.skip_core:
-            o = qh
+            o = qbuf.transpose(0, 1)
+            if gate is not None:
+                o = o * torch.sigmoid(gate)
         else:
-            o = decode_attention(
-                qh, self.k_cache, self.v_cache, ranges, backend=ctx.backend, splits=ctx.splits, sms=ctx.sms
-            )
-        o = o.transpose(0, 1)
-        if gate is not None:
-            o = o * torch.sigmoid(gate)
-        return x + o.reshape(t, self.q_out) @ self.w_o
+            o = self.core(qbuf, ranges, ctx, gate).transpose(0, 1)  # [T, Hq, D]
+        return torch.addmm(x, o.reshape(t, self.q_out), self.w_o)
 
-    def core(self, q: torch.Tensor, ranges: Sequence[KeyRange], ctx: AttnCtx) -> torch.Tensor:
+    def core(
+        self, q: torch.Tensor, ranges: Sequence[KeyRange], ctx: AttnCtx, gate: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return decode_attention(
-            q, self.k_cache, self.v_cache, ranges, backend=ctx.backend, splits=ctx.splits, sms=ctx.sms
+            q, self.k_cache, self.v_cache, ranges, backend=ctx.backend, splits=ctx.splits, sms=ctx.sms, gate=gate
         )
 
 
 class Recurrent:
     """A Gated-DeltaNet or Mamba2 mixer: projections, short causal conv with state, the recurrence."""
 
-    def __init__(self, spec: cm.ModelSpec, kind: str, max_tokens: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, spec: cm.ModelSpec, kind: str, max_tokens: int, device: torch.device, dtype: torch.dtype, impl: str
+    ):
         h = spec.hidden_size
-        self.kind = kind
+        self.kind, self.impl = kind, impl
         self.norm = torch.ones(h, device=device, dtype=dtype)
         if kind == "gdn":
             g = spec.gdn
@@ -551,6 +789,7 @@ class Recurrent:
             self.conv_dim, kernel = g.conv_dim, g.conv_kernel
             self.w_in = _w((h, g.conv_dim + self.hv * self.dv + 2 * self.hv), device, dtype)  # qkv, z, b, a
             self.scale = 1.0 / math.sqrt(self.dk)
+            self.d_skip = None
         else:
             m = spec.mamba2
             assert m is not None
@@ -569,88 +808,89 @@ class Recurrent:
         self.state = torch.empty((self.hv, self.dk, self.dv), device=device, dtype=torch.float32).normal_(0, 0.1)
         self.states_out = torch.empty((max_tokens, self.hv, self.dk, self.dv), device=device, dtype=torch.float32)
 
-    def _conv(self, xc: torch.Tensor) -> torch.Tensor:
-        t = xc.shape[0]
-        buf = torch.cat([self.conv_state, xc], 0)  # [K-1+T, C]
-        win = buf.unfold(0, self.conv_w.shape[1], 1)  # [T, C, K]
-        y = F.silu((win * self.conv_w).sum(-1))
-        self.conv_state.copy_(buf[t:])
-        return y
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        y = _rms(x, self.norm) @ self.w_in
+        t, cd, inner, hv = x.shape[0], self.conv_dim, self.inner, self.hv
+        y = rms(x, self.norm, self.impl) @ self.w_in
+        xc = torch.empty((t, cd), device=x.device, dtype=x.dtype)
+        o = torch.empty((t, hv, self.dv), device=x.device, dtype=x.dtype)
         if self.kind == "gdn":
-            xc = self._conv(y[:, : self.conv_dim])
+            conv4_update(y[:, :cd], self.conv_w, self.conv_state, xc, self.impl)
             qk = self.hk * self.dk
-            q = F.normalize(xc[:, :qk].view(t, self.hk, self.dk), dim=-1)
-            k = F.normalize(xc[:, qk : 2 * qk].view(t, self.hk, self.dk), dim=-1)
-            v = xc[:, 2 * qk :].view(t, self.hv, self.dv)
-            z = y[:, self.conv_dim : self.conv_dim + self.inner]
-            ba = y[:, self.conv_dim + self.inner :].float()
-            beta = torch.sigmoid(ba[:, : self.hv])
-            g = -torch.exp(self.a_log) * F.softplus(ba[:, self.hv :] + self.dt_bias)
-            o = recurrent_scan(q, k, v, g, beta, self.state, self.states_out, self.scale)
+            q = xc[:, :qk].view(t, self.hk, self.dk)
+            k = xc[:, qk : 2 * qk].view(t, self.hk, self.dk)
+            v = xc[:, 2 * qk :].view(t, hv, self.dv)
+            z = y[:, cd : cd + inner].view(t, hv, self.dv)
+            b, a = y[:, cd + inner : cd + inner + hv], y[:, cd + inner + hv :]
+            fused_recurrence(
+                False, q, k, v, b, a, self.a_log, self.dt_bias, None, self.state, self.states_out, o,
+                self.scale, self.impl,
+            )  # fmt: skip
         else:
-            z = y[:, : self.inner]
-            xc = self._conv(y[:, self.inner : self.inner + self.conv_dim])
-            dt = F.softplus(y[:, self.inner + self.conv_dim :].float() + self.dt_bias)  # [T, HV]
-            xs = xc[:, : self.inner].view(t, self.hv, self.dv)
+            z = y[:, :inner].view(t, hv, self.dv)
+            conv4_update(y[:, inner : inner + cd], self.conv_w, self.conv_state, xc, self.impl)
             gs = self.hk * self.dk
-            bmat = xc[:, self.inner : self.inner + gs].view(t, self.hk, self.dk)
-            cmat = xc[:, self.inner + gs :].view(t, self.hk, self.dk)
-            g = -torch.exp(self.a_log) * dt
-            v = (xs.float() * dt[..., None]).to(xs.dtype)
-            o = recurrent_scan(cmat, bmat, v, g, None, self.state, self.states_out, self.scale)
-            o = o + xs * self.d_skip[:, None].to(xs.dtype)
-        o = _rms(o, self.out_norm) * F.silu(z.view(t, self.hv, self.dv))
-        return x + o.reshape(t, self.inner) @ self.w_out
+            xs = xc[:, :inner].view(t, hv, self.dv)
+            bm = xc[:, inner : inner + gs].view(t, self.hk, self.dk)
+            cmat = xc[:, inner + gs :].view(t, self.hk, self.dk)
+            dt = y[:, inner + cd :]
+            fused_recurrence(
+                True, cmat, bm, xs, None, dt, self.a_log, self.dt_bias, self.d_skip, self.state, self.states_out, o,
+                self.scale, self.impl,
+            )  # fmt: skip
+        on = rms_norm_into(o, self.out_norm, torch.empty_like(o), gate=z, impl=self.impl)
+        return torch.addmm(x, on.view(t, inner), self.w_out)
 
 
 class MoE:
-    """Router + the touched routed experts (batched) + latent projections + shared expert(s)."""
+    """Router + the touched routed experts (one GEMM each way) + latent projections + shared expert(s)."""
 
-    def __init__(self, spec: cm.ModelSpec, n_experts: int, max_tokens: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        spec: cm.ModelSpec,
+        n_experts: int,
+        max_tokens: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        impl: str,
+    ):
         m, h = spec.moe, spec.hidden_size
-        self.m = m
-        width = m.latent_size or h
-        inter = m.expert_intermediate_size
+        self.m, self.impl = m, impl
+        self.width = m.latent_size or h
+        self.inter = m.expert_intermediate_size
+        self.swiglu = m.activation == "swiglu"
+        self.up = 2 * self.inter if self.swiglu else self.inter
         self.norm = torch.ones(h, device=device, dtype=dtype)
         self.router = _w((h, m.num_experts), device, dtype)
         self.n_alloc = n_experts
-        up = 2 * inter if m.activation == "swiglu" else inter
-        self.w_up = _w((n_experts, width, up), device, dtype)
-        self.w_down = _w((n_experts, inter, width), device, dtype)
-        self.combine = torch.softmax(torch.randn(n_experts, max_tokens, device=device), 0).to(dtype)
+        # experts side by side: x @ w_up[:, :n*up] and hid @ w_down[:n*I] touch exactly n experts
+        self.w_up = _w((self.width, n_experts * self.up), device, dtype)
+        self.w_down = _w((n_experts * self.inter, self.width), device, dtype, fan_in=self.inter)
+        self.combine = torch.softmax(torch.randn(n_experts, max_tokens, device=device), 0)
         if m.latent_size:
             self.lat_in = _w((h, m.latent_size), device, dtype)
             self.lat_out = _w((m.latent_size, h), device, dtype)
-        s_up = 2 * m.shared_intermediate_size if m.activation == "swiglu" else m.shared_intermediate_size
-        self.s_up = _w((h, s_up * m.shared_experts), device, dtype)
-        self.s_down = _w((m.shared_intermediate_size * m.shared_experts, h), device, dtype)
+        self.s_inter = m.shared_intermediate_size * m.shared_experts
+        self.s_up = _w((h, self.s_inter * (2 if self.swiglu else 1)), device, dtype)
+        self.s_down = _w((self.s_inter, h), device, dtype)
         self.s_gate = _w((h, 1), device, dtype) if m.shared_expert_gate else None
-
-    def _act(self, u: torch.Tensor) -> torch.Tensor:
-        if self.m.activation == "swiglu":
-            a, b = u.chunk(2, dim=-1)
-            return F.silu(a) * b
-        return torch.square(F.relu(u))
 
     def forward(self, x: torch.Tensor, n_experts: int) -> torch.Tensor:
         t = x.shape[0]
         n = min(n_experts, self.n_alloc)
-        xn = _rms(x, self.norm)
-        logits = xn @ self.router
-        _ = torch.topk(logits, self.m.top_k, dim=-1)  # routing cost; dispatch is fixed in the replica
+        xn = rms(x, self.norm, self.impl)
+        _ = torch.topk(xn @ self.router, self.m.top_k, dim=-1)  # routing cost; dispatch is fixed here
         xin = xn @ self.lat_in if self.m.latent_size else xn
-        hid = self._act(torch.matmul(xin, self.w_up[:n]))  # [n, T, I]
-        out = (torch.matmul(hid, self.w_down[:n]) * self.combine[:n, :t, None]).sum(0)  # [T, width]
+        u = xin @ self.w_up[:, : n * self.up]
+        hid = torch.empty((t, n * self.inter), device=x.device, dtype=x.dtype)
+        expert_act(u, n, self.inter, self.swiglu, self.combine, hid, self.impl)
         if self.m.latent_size:
-            out = out @ self.lat_out
-        sh = self._act(xn @ self.s_up) @ self.s_down
-        if self.s_gate is not None:
-            sh = sh * torch.sigmoid(xn @ self.s_gate)
-        return x + out + sh
+            x = torch.addmm(x, hid @ self.w_down[: n * self.inter], self.lat_out)
+        else:
+            x = torch.addmm(x, hid, self.w_down[: n * self.inter])
+        gw = torch.sigmoid(xn @ self.s_gate).view(1, t) if self.s_gate is not None else None
+        sh = torch.empty((t, self.s_inter), device=x.device, dtype=x.dtype)
+        expert_act(xn @ self.s_up, 1, self.s_inter, self.swiglu, gw, sh, self.impl)
+        return torch.addmm(x, sh, self.s_down)
 
 
 @dataclass
@@ -679,6 +919,11 @@ class StepPlan:
         return [KeyRange(0, end, causal_tail=1)]
 
 
+def default_impl(device: torch.device | str) -> str:
+    """Fused Triton kernels on CUDA, plain torch elsewhere."""
+    return "triton" if HAVE_TRITON and torch.device(device).type == "cuda" else "torch"
+
+
 class Replica:
     """Target layers + MTP head of one model, dummy weights, synthetic KV up to ``capacity`` tokens."""
 
@@ -689,10 +934,12 @@ class Replica:
         max_k: int,
         device: torch.device | str,
         dtype: torch.dtype | None = None,
+        impl: str | None = None,
     ):
         dev = torch.device(device)
         dt = dtype or torch.bfloat16
         self.spec, self.device, self.dtype = spec, dev, dt
+        self.impl = impl or default_impl(dev)
         self.capacity = capacity + max_k + 2
         t_max = max_k + 1
         m = spec.moe
@@ -709,11 +956,11 @@ class Replica:
             blocks: list[Any] = []
             for p in parts:
                 if p == "attn":
-                    blocks.append(Attention(spec, self.capacity, dev, dt))
+                    blocks.append(Attention(spec, self.capacity, dev, dt, self.impl))
                 elif p in ("gdn", "mamba2"):
-                    blocks.append(Recurrent(spec, p, t_max, dev, dt))
+                    blocks.append(Recurrent(spec, p, t_max, dev, dt, self.impl))
                 elif p == "moe":
-                    blocks.append(MoE(spec, n_alloc, t_max, dev, dt))
+                    blocks.append(MoE(spec, n_alloc, t_max, dev, dt, self.impl))
             self.layers.append(blocks)
         self.mtp_fc = _w((2 * h, h), dev, dt)
         self.mtp_norm_e = torch.ones(h, device=dev, dtype=dt)
@@ -722,12 +969,26 @@ class Replica:
         for parts in spec.mtp_layers:
             for p in parts:
                 if p == "attn":
-                    self.mtp_blocks.append(Attention(spec, self.capacity, dev, dt))
+                    self.mtp_blocks.append(Attention(spec, self.capacity, dev, dt, self.impl))
                 elif p == "moe":
-                    self.mtp_blocks.append(MoE(spec, m.top_k, 1, dev, dt))
+                    self.mtp_blocks.append(MoE(spec, m.top_k, 1, dev, dt, self.impl))
         self.mtp_final_norm = torch.ones(h, device=dev, dtype=dt)
         self.tokens = torch.randint(0, spec.vocab_size, (t_max,), device=dev)
-        self.hidden = torch.randn(t_max, h, device=dev, dtype=dt)
+
+    def set_impl(self, impl: str) -> None:
+        """Switch every block between the fused Triton kernels and plain torch (for checks)."""
+        self.impl = impl
+        for b in [b for blocks in self.layers for b in blocks] + self.mtp_blocks:
+            b.impl = impl
+
+    def save_conv_states(self) -> list[torch.Tensor]:
+        """Copies of the recurrent layers' conv states (the only state a forward mutates)."""
+        return [b.conv_state.clone() for blocks in self.layers for b in blocks if isinstance(b, Recurrent)]
+
+    def load_conv_states(self, saved: list[torch.Tensor]) -> None:
+        recs = [b for blocks in self.layers for b in blocks if isinstance(b, Recurrent)]
+        for b, st in zip(recs, saved, strict=True):
+            b.conv_state.copy_(st)
 
     # ---- pieces ---------------------------------------------------------------------------
 
@@ -747,7 +1008,7 @@ class Replica:
         return x
 
     def logits_argmax(self, x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
-        return torch.argmax(_rms(x, norm) @ self.lm_head, dim=-1)
+        return torch.argmax(rms(x, norm, self.impl) @ self.lm_head, dim=-1)
 
     def target_attn_cores(self, plan: StepPlan, ctx: AttnCtx, q: torch.Tensor) -> list[torch.Tensor]:
         ranges = plan.verify_ranges()
@@ -755,8 +1016,11 @@ class Replica:
 
     def draft_body(self, plan: StepPlan, j: int, token: torch.Tensor, hid: torch.Tensor, ctx: AttnCtx) -> torch.Tensor:
         """One draft forward up to (not including) the lm_head; token [1], hid [1, H]."""
-        e = self.embed[token]
-        x = torch.cat([_rms(e, self.mtp_norm_e), _rms(hid, self.mtp_norm_h)], -1) @ self.mtp_fc
+        h = self.spec.hidden_size
+        buf = torch.empty((1, 2 * h), device=hid.device, dtype=hid.dtype)
+        rms_norm_into(self.embed[token], self.mtp_norm_e, buf[:, :h], impl=self.impl)
+        rms_norm_into(hid, self.mtp_norm_h, buf[:, h:], impl=self.impl)
+        x = buf @ self.mtp_fc
         ranges = plan.draft_ranges(j)
         for b in self.mtp_blocks:
             if isinstance(b, Attention):
@@ -1002,8 +1266,9 @@ def _stats(name: str, ms: list[float]) -> dict[str, float]:
     return {"median_ms": t.median, "p10_ms": t.q(0.1), "p90_ms": t.q(0.9), "reps": len(ms)}
 
 
-def check_attention(backend: str, sink: CsvSink, device: str = "cuda") -> None:
+def check_attention(backend: str, sink: CsvSink, device: str = "cuda") -> bool:
     """Correctness of decode attention against float32 with an explicit mask, on fresh random inputs."""
+    all_ok = True
     for hq, hkv, d, n, t in ((16, 2, 256, 70_000, 4), (32, 2, 128, 50_000, 6), (16, 2, 256, 9_000, 1)):
         n = n if _is_cuda(device) else n // 20
         kc = torch.randn(n + t, hkv, d, device=device, dtype=torch.bfloat16)
@@ -1014,6 +1279,7 @@ def check_attention(backend: str, sink: CsvSink, device: str = "cuda") -> None:
         ref = reference_attention(q, kc, vc, vis)
         got = decode_attention(q, kc, vc, [KeyRange(0, end, causal_tail=t)], backend=backend)
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        all_ok &= err < 2e-2
         sink.write(
             "replica_checks",
             {
@@ -1038,6 +1304,7 @@ def check_attention(backend: str, sink: CsvSink, device: str = "cuda") -> None:
                 q, kc, vc, [KeyRange(0, s_), KeyRange(end - w_, end, causal_tail=1)], backend=backend
             )
             err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+            all_ok &= err < 2e-2
             sink.write(
                 "replica_checks",
                 {
@@ -1052,36 +1319,43 @@ def check_attention(backend: str, sink: CsvSink, device: str = "cuda") -> None:
                     "ok": err < 2e-2,
                 },
             )
+    return all_ok
 
 
-def check_recurrence(sink: CsvSink, device: str = "cuda") -> None:
-    for hk, hv, dk, dv, delta in ((16, 32, 128, 128, True), (8, 128, 128, 64, False)):
-        t = 6
-        q = F.normalize(torch.randn(t, hk, dk, device=device), dim=-1).bfloat16()
-        k = F.normalize(torch.randn(t, hk, dk, device=device), dim=-1).bfloat16()
-        v = torch.randn(t, hv, dv, device=device, dtype=torch.bfloat16)
-        g = -torch.rand(t, hv, device=device)
-        beta = torch.rand(t, hv, device=device) if delta else None
-        s0 = torch.randn(hv, dk, dv, device=device) * 0.1
-        so1, so2 = torch.empty(t, hv, dk, dv, device=device), torch.empty(t, hv, dk, dv, device=device)
-        o1 = recurrent_scan(q, k, v, g, beta, s0, so1, 0.1, use_triton=True)
-        o2 = recurrent_scan(q, k, v, g, beta, s0, so2, 0.1, use_triton=False)
-        err = ((o1.float() - o2.float()).norm() / o2.float().norm()).item()
-        serr = ((so1 - so2).norm() / so2.norm()).item()
+def _small_spec(spec: cm.ModelSpec) -> cm.ModelSpec:
+    """The same shapes with one layer of each kind (for a fused-vs-torch check)."""
+    kinds = []
+    for layer in spec.layers:
+        if layer not in kinds:
+            kinds.append(layer)
+    return dataclasses.replace(spec, layers=tuple(kinds))
+
+
+def check_fused(sink: CsvSink, spec: cm.ModelSpec, device: str = "cuda") -> bool:
+    """Fused Triton kernels vs the same math in torch: a verify forward and a draft forward, bf16."""
+    small = _small_spec(spec)
+    rep = Replica(small, 5000, 5, device, impl="triton")
+    ctx = AttnCtx("triton")
+    plan = StepPlan(4000, 5, "wmtp", 4, 2048)
+    outs = {}
+    saved = rep.save_conv_states()
+    for impl in ("triton", "torch"):
+        rep.set_impl(impl)
+        rep.load_conv_states(saved)
+        x = rep.target_body(plan, ctx)
+        d = rep.draft_body(plan, 1, rep.tokens[:1], x[-1:], ctx)
+        outs[impl] = (x.float(), d.float())
+    all_ok = True
+    for i, what in enumerate(("verify", "draft")):
+        a, b = outs["triton"][i], outs["torch"][i]
+        err = ((a - b).norm() / b.norm()).item()
+        all_ok &= err < 5e-2
         sink.write(
             "replica_checks",
-            {
-                "check": "recurrence_delta" if delta else "recurrence_mamba2",
-                "backend": "triton",
-                "hq": hv,
-                "hkv": hk,
-                "d": dk,
-                "n": 0,
-                "t": t,
-                "rel_err": max(err, serr),
-                "ok": max(err, serr) < 2e-2,
-            },
-        )
+            {"check": f"fused_{what}", "backend": "triton", "n": 4000, "t": 6 if what == "verify" else 1,
+             "rel_err": err, "ok": err < 5e-2, "note": spec.name},
+        )  # fmt: skip
+    return all_ok
 
 
 #: Split-KV launch variants the attention bench tries: (block_n, num_warps, num_stages).
@@ -1167,6 +1441,50 @@ def attention_bandwidth(
     TRITON_ATTN_KNOBS.update(saved)
 
 
+TUNE_VARIANTS: tuple[tuple[int, int, int], ...] = ((64, 4, 3), (128, 4, 3), (32, 8, 3), (64, 8, 2))
+
+
+def tune_attention(
+    rep: Replica, n: int, ts: Sequence[int], timer: GraphTimer, sink: CsvSink, copy_bw: float, reps: int
+) -> None:
+    """Pick the split-KV launch variant per row block on this model's first KV cache at n tokens."""
+    layer = next(b for blocks in rep.layers for b in blocks if isinstance(b, Attention))
+    a = rep.spec.attention
+    sms = _sms(str(rep.device))
+    base = statistics.median(timer.time(_noop, reps, scrub=True))
+    for t in ts:
+        r = (a.num_q_heads // a.num_kv_heads) * t
+        block_m = max(16, triton.next_power_of_2(r))
+        if (a.head_dim, block_m) in ATTN_TUNED:
+            continue
+        q = torch.randn(a.num_q_heads, t, a.head_dim, device=rep.device, dtype=rep.dtype)
+        rng = [KeyRange(0, n + t, causal_tail=t)]
+        best: tuple[float, tuple[int, int, int]] | None = None
+        for variant in TUNE_VARIANTS:
+            ATTN_TUNED[(a.head_dim, block_m)] = variant
+            try:
+                ms = timer.time(partial(layer.core, q, rng, AttnCtx("triton", None, sms)), reps, scrub=True)
+            except Exception as e:  # a variant that does not compile or fit is skipped
+                log.warning("tune %s %s: %s", rep.spec.name, variant, e)
+                continue
+            net = max(1e-6, statistics.median(ms) - base)
+            kv_bytes = 2 * (n + t) * a.num_kv_heads * a.head_dim * 2
+            sink.write(
+                "replica_attention",
+                {"model": rep.spec.name, "backend": "triton-tune", "variant": "-".join(map(str, variant)),
+                 "context": n, "t": t, "splits": auto_splits(n, a.num_kv_heads, sms), "kv_bytes": kv_bytes,
+                 "median_ms": net, "scrub_ms": base, "bandwidth": kv_bytes / (net * 1e-3),
+                 "copy_bandwidth": copy_bw, "fraction_of_copy": kv_bytes / (net * 1e-3) / copy_bw},
+            )  # fmt: skip
+            if best is None or net < best[0]:
+                best = (net, variant)
+        if best is None:
+            ATTN_TUNED.pop((a.head_dim, block_m), None)
+        else:
+            ATTN_TUNED[(a.head_dim, block_m)] = best[1]
+            log.info("tuned %s d=%d rows=%d: %s", rep.spec.name, a.head_dim, block_m, best[1])
+
+
 def _fits(spec: cm.ModelSpec, context: int, max_k: int, free_bytes: int) -> bool:
     """Whether the replica (touched weights, KV of target and draft, states) fits in free memory."""
     t = max_k + 1
@@ -1179,7 +1497,9 @@ def _fits(spec: cm.ModelSpec, context: int, max_k: int, free_bytes: int) -> bool
     return w * spec.weight_bytes * 1.1 + kv + state + (6 << 30) < free_bytes
 
 
-def sweep_model(cfg: SweepConfig, path: Path, sink: CsvSink, copy_bw: float, backend: str, t0: float) -> None:
+def sweep_model(
+    cfg: SweepConfig, path: Path, sink: CsvSink, copy_bw: float, backend: str, t0: float, impl: str | None = None
+) -> None:
     spec = cm.load_model(path)
     max_k = max(cfg.ks)
     dev = cfg.device
@@ -1193,7 +1513,7 @@ def sweep_model(cfg: SweepConfig, path: Path, sink: CsvSink, copy_bw: float, bac
     if not contexts:
         return
     tb = time.time()
-    rep = Replica(spec, max(contexts), max_k, dev)
+    rep = Replica(spec, max(contexts), max_k, dev, impl=impl)
     _sync(dev)
     log.info(
         "%s: replica built in %.1f s, %.1f GiB allocated",
@@ -1204,6 +1524,8 @@ def sweep_model(cfg: SweepConfig, path: Path, sink: CsvSink, copy_bw: float, bac
     timer = GraphTimer(cfg.use_graphs, device=dev)
     sms = _sms(dev)
     a = spec.attention
+    if backend == "triton" and _is_cuda(dev) and a.head_dim != 256:  # d = 256 was tuned by the probe
+        tune_attention(rep, max(contexts), sorted({1, max_k + 1}), timer, sink, copy_bw, cfg.reps)
     for n in contexts:
         for k in cfg.ks:
             if time.time() - t0 > cfg.deadline_s:
@@ -1325,24 +1647,34 @@ def run_sweep(cfg: SweepConfig) -> int:
     copy_bw = bw["bandwidth"]
     log.info("copy bandwidth %.2f TB/s", copy_bw / 1e12)
     backend = choose_backend(cfg.backend, dev)
+    impl = default_impl(dev)
     if cfg.checks:
         for b in [backend, "aten"] if backend == "triton" else [backend]:
             try:
-                check_attention(b, sink, dev)
+                ok = check_attention(b, sink, dev)
             except Exception as e:  # a failing backend is data, not a crash
                 log.exception("attention check failed for %s", b)
                 sink.write("replica_checks", {"check": "attention", "backend": b, "ok": False, "note": str(e)[:200]})
-        if HAVE_TRITON and _is_cuda(dev):
+                ok = False
+            if not ok and b == backend == "triton":
+                log.error("triton attention failed its check: the sweep uses aten")
+                backend = "aten"
+        if impl == "triton":
             try:
-                check_recurrence(sink, dev)
+                ok = all(check_fused(sink, cm.load_model(path), dev) for path in cfg.models)
             except Exception as e:
-                log.exception("recurrence check failed")
-                sink.write(
-                    "replica_checks", {"check": "recurrence", "backend": "triton", "ok": False, "note": str(e)[:200]}
-                )
+                log.exception("fused-kernel check failed")
+                sink.write("replica_checks", {"check": "fused", "backend": "triton", "ok": False, "note": str(e)[:200]})
+                ok = False
+            if not ok:
+                log.error("fused kernels failed their check: the sweep uses plain torch ops")
+                impl = "torch"
+        _empty_cache(dev)
+    manifest["backend"], manifest["impl"] = backend, impl
+    (cfg.out / "replica_manifest.json").write_text(json.dumps(manifest, indent=2))
     for path in cfg.models:
         try:
-            sweep_model(cfg, path, sink, copy_bw, backend, t0)
+            sweep_model(cfg, path, sink, copy_bw, backend, t0, impl)
         except torch.cuda.OutOfMemoryError:
             log.exception("%s: out of memory", path)
         _empty_cache(dev)

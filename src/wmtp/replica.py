@@ -1244,8 +1244,8 @@ class SweepConfig:
     models: list[Path]
     contexts: list[int]
     ks: list[int]
-    sink: int = 4
-    window: int = 2048
+    sink: int = 64
+    window: int = 4032
     reps: int = 30
     backend: str = "auto"
     splits: int | None = None
@@ -1778,8 +1778,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sw.add_argument("--models", nargs="+", type=Path, required=True, help="config/models/*.json files")
     sw.add_argument("--contexts", type=_ints_or_none, default=_ints("2k,32k,128k,256k,512k,1m"))
     sw.add_argument("--ks", type=_ints, default=[1, 3, 5])
-    sw.add_argument("--sink", type=int, default=4)
-    sw.add_argument("--window", type=int, default=2048)
+    sw.add_argument("--sink", type=int, default=64)
+    sw.add_argument("--window", type=int, default=4032)
     sw.add_argument("--reps", type=int, default=30)
     sw.add_argument("--backend", choices=("auto", *ATTN_BACKENDS), default="auto")
     sw.add_argument("--splits", type=int, default=None, help="KV chunks per range (default: auto)")

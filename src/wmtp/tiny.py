@@ -14,6 +14,7 @@ import argparse
 import hashlib
 import json
 import logging
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -52,13 +53,17 @@ class TinyShape:
                 for i in range(self.num_hidden_layers)]
 
 
-def train_tokenizer(vocab_size: int, out_dir: Path, max_chars: int = 4_000_000) -> None:
-    """Byte-level BPE on standard-library source: every text encodes, nothing is unknown."""
+def train_tokenizer(vocab_size: int, out_dir: Path, max_chars: int = 4_000_000,
+                    files: Iterable[Path] | None = None) -> None:
+    """Byte-level BPE on standard-library source: every text encodes, nothing is unknown.
+
+    ``files`` (default: the whole corpus) lets a trained model keep its held-out files out.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     texts: list[str] = []
     total = 0
-    for path in corpus_files():
+    for path in corpus_files() if files is None else files:
         text = path.read_text(encoding="utf-8", errors="replace")
         texts.append(text)
         total += len(text)
@@ -101,19 +106,12 @@ def _split_fused_experts(state: dict, num_experts: int) -> dict:
     return out
 
 
-def build_tiny(out_dir: Path, seed: int = 0, shape: TinyShape | None = None,
-               zero_lm_head: bool = False) -> dict:
-    """Write config.json, model.safetensors and the tokenizer; returns the build's manifest."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+def qwen3_next_config(shape: TinyShape, layer_types: list[str]):
+    """The transformers config of a tiny Qwen3-Next with these layers (the MTP layer uses one full-attention layer)."""
+    from transformers import Qwen3NextConfig
 
-    shape = shape or TinyShape()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log.info("training the tokenizer (vocab %d) on standard-library source", shape.vocab_size)
-    train_tokenizer(shape.vocab_size, out_dir)
-
-    common = dict(
+    return Qwen3NextConfig(
+        num_hidden_layers=len(layer_types), layer_types=layer_types,
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=4 * shape.hidden_size,
         num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
         head_dim=shape.head_dim, linear_key_head_dim=shape.linear_key_head_dim,
@@ -124,8 +122,52 @@ def build_tiny(out_dir: Path, seed: int = 0, shape: TinyShape | None = None,
         max_position_embeddings=shape.max_position_embeddings, tie_word_embeddings=False,
         eos_token_id=0, pad_token_id=0,
     )
+
+
+def write_checkpoint(out_dir: Path, state: dict, config, num_experts: int, manifest: dict) -> dict:
+    """config.json, model.safetensors (vLLM's per-expert layout) and ``wmtp-model.json`` with file hashes.
+
+    ``state`` holds the target's tensors under transformers' names plus the ``mtp.*`` tensors; the
+    tokenizer files must already be in ``out_dir``. Returns the manifest as written.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to(torch.bfloat16) for k, v in state.items()}
+    state = _split_fused_experts(state, num_experts)
+    state = {k: state[k].contiguous() for k in sorted(state)}
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+    cfg = config.to_dict()
+    cfg.update(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", torch_dtype="bfloat16",
+               dtype="bfloat16", num_nextn_predict_layers=1)
+    for key in ("_name_or_path", "transformers_version", "id2label", "label2id"):
+        cfg.pop(key, None)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    manifest = {
+        **manifest,
+        "torch": torch.__version__,
+        "files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                  for p in sorted(out_dir.iterdir()) if p.name != "wmtp-model.json"},
+    }
+    (out_dir / "wmtp-model.json").write_text(json.dumps(manifest, indent=2))
+    log.info("wrote %s (%d tensors)", out_dir, len(state))
+    return manifest
+
+
+def build_tiny(out_dir: Path, seed: int = 0, shape: TinyShape | None = None,
+               zero_lm_head: bool = False) -> dict:
+    """Write config.json, model.safetensors and the tokenizer; returns the build's manifest."""
+    import torch
+    from transformers import Qwen3NextForCausalLM
+
+    shape = shape or TinyShape()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log.info("training the tokenizer (vocab %d) on standard-library source", shape.vocab_size)
+    train_tokenizer(shape.vocab_size, out_dir)
+
     layer_types = shape.resolved_layer_types()
-    config = Qwen3NextConfig(num_hidden_layers=len(layer_types), layer_types=layer_types, **common)
+    config = qwen3_next_config(shape, layer_types)
     log.info("initialising the target (%d layers: %s) from seed %d", len(layer_types), layer_types, seed)
     torch.manual_seed(seed)
     target = Qwen3NextForCausalLM(config)
@@ -133,8 +175,7 @@ def build_tiny(out_dir: Path, seed: int = 0, shape: TinyShape | None = None,
 
     # The MTP layer is a full-attention decoder layer of its own, initialised like the target's.
     torch.manual_seed(seed + 1)
-    mtp_config = Qwen3NextConfig(num_hidden_layers=1, layer_types=["full_attention"], **common)
-    mtp_model = Qwen3NextForCausalLM(mtp_config)
+    mtp_model = Qwen3NextForCausalLM(qwen3_next_config(shape, ["full_attention"]))
     prefix = "model.layers.0."
     for name, tensor in mtp_model.state_dict().items():
         if name.startswith(prefix):
@@ -148,27 +189,8 @@ def build_tiny(out_dir: Path, seed: int = 0, shape: TinyShape | None = None,
     if zero_lm_head:
         # Every logit ties at 0, so target and draft both pick token 0: 100 % acceptance.
         state["lm_head.weight"] = torch.zeros_like(state["lm_head.weight"])
-    state = _split_fused_experts(state, shape.num_experts)
-    state = {k: state[k].contiguous() for k in sorted(state)}
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-
-    cfg = config.to_dict()
-    cfg.update(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", torch_dtype="bfloat16",
-               dtype="bfloat16", num_nextn_predict_layers=1)
-    for key in ("_name_or_path", "transformers_version", "id2label", "label2id"):
-        cfg.pop(key, None)
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-    manifest = {
-        "seed": seed,
-        "shape": asdict(shape),
-        "zero_lm_head": zero_lm_head,
-        "torch": torch.__version__,
-        "files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-                  for p in sorted(out_dir.iterdir()) if p.name != "wmtp-model.json"},
-    }
-    (out_dir / "wmtp-model.json").write_text(json.dumps(manifest, indent=2))
-    log.info("wrote %s (%d tensors)", out_dir, len(state))
-    return manifest
+    return write_checkpoint(out_dir, state, config, shape.num_experts,
+                            {"seed": seed, "shape": asdict(shape), "zero_lm_head": zero_lm_head})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,11 +12,14 @@ rule cell:
     log:
         RESULTS / "logs" / "cells" / "{cell}.log",
     params:
+        py=PY,
         config=RESOLVED_CONFIG,
         model_dir=lambda wc: STUDY.model_dir(CELLS[wc.cell].model),
         out=lambda wc: cell_dir(wc.cell),
     resources:
         gpu=1,
+    conda:
+        "../envs/pipeline.yaml"
     shell:
-        "{PY} -m wmtp --log {log} cell --config {params.config} --cell {wildcards.cell} "
+        "{params.py} -m wmtp --log {log} cell --config {params.config} --cell {wildcards.cell} "
         "--engine-manifest {input.engine} --model-dir {params.model_dir} --out {params.out}"

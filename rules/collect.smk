@@ -9,7 +9,10 @@ rule collect:
     log:
         RESULTS / "logs" / "collect.log",
     params:
+        py=PY,
         out=RESULTS / "tidy",
     localrule: True
+    conda:
+        "../envs/pipeline.yaml"
     shell:
-        "{PY} -m wmtp --log {log} collect --out {params.out} {input}"
+        "{params.py} -m wmtp --log {log} collect --out {params.out} {input}"

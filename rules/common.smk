@@ -43,6 +43,11 @@ def engine_python_of(engine_name):
     return engine_python(STUDY.engine(engine_name), ENGINES / engine_name)
 
 
+def tiny_builder_engine():
+    # The builder needs torch and transformers: the first engine environment of the study has them.
+    return STUDY.engines[0].name
+
+
 def model_files(model_name):
     """What a cell needs of its model: generated models are rule outputs, local ones must exist."""
     if STUDY.model(model_name).generate:

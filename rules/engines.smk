@@ -7,8 +7,11 @@ rule engine:
     log:
         ENGINES / "{engine}" / "build.snakemake.log",
     params:
+        py=PY,
         config=RESOLVED_CONFIG,
     localrule: True
+    conda:
+        "../envs/pipeline.yaml"
     shell:
-        "{PY} -m wmtp --log {log} engine-build --config {params.config} "
+        "{params.py} -m wmtp --log {log} engine-build --config {params.config} "
         "--engine {wildcards.engine} --out {output}"

@@ -1,11 +1,6 @@
 # Models that the pipeline generates (the tiny hybrid MTP checkpoint of the embedded default).
 
 
-def tiny_builder_engine():
-    # The builder needs torch and transformers: the first engine environment of the study has them.
-    return STUDY.engines[0].name
-
-
 rule tiny_model:
     input:
         engine=lambda wc: engine_manifest(tiny_builder_engine()),
@@ -19,5 +14,7 @@ rule tiny_model:
         python=lambda wc: engine_python_of(tiny_builder_engine()),
         seed=lambda wc: STUDY.model(wc.model).seed,
         out=lambda wc: MODELS / wc.model,
+    conda:
+        "../envs/pipeline.yaml"
     shell:
         "{params.python} -m wmtp.tiny --out {params.out} --seed {params.seed} > {log} 2>&1"

@@ -10,8 +10,12 @@ rule report:
     log:
         RESULTS / "logs" / "report.log",
     params:
+        py=PY,
+        study=STUDY.study,
         tidy=RESULTS / "tidy",
         out=RESULTS / "report",
     localrule: True
+    conda:
+        "../envs/pipeline.yaml"
     shell:
-        "{PY} -m wmtp --log {log} report --study {STUDY.study} --tidy {params.tidy} --out {params.out}"
+        "{params.py} -m wmtp --log {log} report --study {params.study} --tidy {params.tidy} --out {params.out}"

@@ -44,6 +44,8 @@ class EngineSpec(_Strict):
     packages: list[str] = Field(default_factory=list)
     pre_packages: list[str] = Field(default_factory=list)
     remove_packages: list[str] = Field(default_factory=list)
+    # pip constraints file (transitive pins), relative to the repository root.
+    constraints: str | None = None
     python: str | None = None
     image: str | None = None
     container_runtime: Literal["docker", "apptainer"] | None = None
@@ -217,6 +219,9 @@ def _semantic_checks(raw: Mapping[str, Any], base_dir: Path) -> None:
         if source == "venv" and not engine.get("packages"):
             raise ConfigError(f"config: engines[{i}].packages must list the pinned engine package "
                               f"for source 'venv' (engine {engine['name']!r})")
+        constraints = engine.get("constraints")
+        if constraints and not (REPO_ROOT / constraints).is_file():
+            raise ConfigError(f"config: engines[{i}].constraints {constraints!r} does not exist under {REPO_ROOT}")
         if source == "python" and not engine.get("python"):
             raise ConfigError(f"config: engines[{i}].python must name an interpreter for source 'python'")
         if source == "container" and not engine.get("image"):

@@ -29,7 +29,9 @@ class EngineBuildError(RuntimeError):
 
 
 def spec_hash(spec: EngineSpec) -> str:
-    payload = json.dumps({"spec": spec.model_dump(mode="json"), "wmtp_src": str(REPO_ROOT)}, sort_keys=True)
+    constraints = (REPO_ROOT / spec.constraints).read_text() if spec.constraints else ""
+    payload = json.dumps({"spec": spec.model_dump(mode="json"), "wmtp_src": str(REPO_ROOT),
+                          "constraints": constraints}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -116,7 +118,8 @@ def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False) -> dic
             _run([*pip, "install", "-q", "-U", "pip"], log_file, "[2/5] upgrade pip")
             if spec.pre_packages:
                 _run([*pip, "install", *spec.pre_packages], log_file, "[3/5] install base packages")
-            _run([*pip, "install", *spec.packages], log_file, "[3/5] install the engine (minutes)")
+            pins = ["-c", str(REPO_ROOT / spec.constraints)] if spec.constraints else []
+            _run([*pip, "install", *pins, *spec.packages], log_file, "[3/5] install the engine (minutes)")
             present = subprocess.run([*pip, "list", "--format=json"], capture_output=True, text=True,
                                      check=True).stdout
             installed = {p["name"].lower() for p in json.loads(present)}

@@ -1,0 +1,72 @@
+"""The workflow itself: lint, a dry run per shipped study, and the Spark profile as a user types it."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+
+
+def run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([*SNAKEMAKE, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def job_counts(output: str) -> dict[str, int]:
+    table = output.split("Job stats:", 1)[1]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.MULTILINE)}
+
+
+def test_lint_is_clean():
+    out = run("--lint")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Lints for" not in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def test_dry_run_embedded_study(tmp_path):
+    out = run("-n", "--config", f"results_dir={tmp_path}/results", f"models_dir={tmp_path}/models",
+              f"engines_dir={tmp_path}/engines")
+    assert out.returncode == 0, out.stdout + out.stderr
+    jobs = job_counts(out.stdout)
+    assert jobs["cell"] == 2 and jobs["engine"] == 1 and jobs["tiny_model"] == 1
+    assert jobs["collect"] == 1 and jobs["report"] == 1
+
+
+@pytest.fixture
+def spark_model_placeholder():
+    """The Spark study's checkpoint path, as an empty placeholder (only for the dry run)."""
+    path = REPO / "models" / "Qwen3.6-35B-A3B-NVFP4-Fast"
+    created = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    yield path
+    if created:
+        shutil.rmtree(path)
+        if not any((REPO / "models").iterdir()):
+            (REPO / "models").rmdir()
+
+
+def test_spark_profile_dry_run_as_typed(spark_model_placeholder):
+    out = run("-n", "--profile", "spark", "-j1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    assert "config/studies/spark-128k.yaml" in text
+    jobs = job_counts(out.stdout)
+    assert jobs["cell"] == 2 and jobs["engine"] == 1
+    assert "tiny_model" not in jobs
+    assert "results/spark-128k/raw/model~qwen3.6-35b-a3b-nvfp4/engine~vllm/arm~mtp/k~3/c~1/manifest.json" in text
+    # Cells hold the GPU: the profile allows one at a time.
+    assert re.search(r"resources: .*gpu=1", text)
+
+
+def test_bad_config_fails_before_anything_runs(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((REPO / "config" / "config.yaml").read_text().replace("k: [3]", "k: [0]"))
+    out = run("-n", "--configfile", str(bad))
+    assert out.returncode != 0
+    assert "arms[1].k[0] must be ≥ 1 for arm 'mtp' (got 0)" in out.stdout + out.stderr

@@ -118,3 +118,54 @@ class PromptFactory:
                     raise
                 n_chars *= 2
         raise PromptLengthError(f"could not gather {n_tokens} tokens of text")
+
+
+@dataclass(frozen=True)
+class CopyTask:
+    """A prompt whose continuation is a passage from far back, and where that passage sits."""
+
+    text: str
+    passage_start: int  # tokens before the passage (the lead-in)
+    passage_tokens: int
+    cue_tokens: int
+
+    def distance(self, n_tokens: int) -> int:
+        """Tokens between the end of the prompt and the start of the passage it repeats."""
+        return n_tokens - self.passage_start
+
+
+def copy_task_prompt(factory: PromptFactory, n_tokens: int, index: int, passage_tokens: int = 256,
+                     cue_tokens: int = 32, lead_tokens: int = 512, salt: str = "copy",
+                     max_tries: int = 64) -> CopyTask:
+    """The hard / low-acceptance workload: exactly ``n_tokens`` tokens that end by starting to repeat a
+    passage from far back, so that the right continuation is a copy of text the window cannot see.
+
+    Layout: ``[lead-in][passage][filler][the passage's first cue_tokens]``. A model that copies goes on
+    with the passage; a draft that attends only to a sink and a recent window shorter than the distance
+    back to the passage cannot see it. The lead-in (at least one KV block of a hybrid model) keeps the
+    passage out of the attention sink. The filler's length is converged on until the whole prompt
+    re-tokenises to exactly ``n_tokens``, or PromptLengthError — never approximate.
+    """
+    if passage_tokens < cue_tokens + max_tries:
+        raise ValueError(f"passage_tokens ({passage_tokens}) must exceed cue_tokens ({cue_tokens}) by {max_tries}")
+    lead = factory.prompt(lead_tokens, index, salt=f"{salt}/lead")
+    passage = factory.prompt(passage_tokens, index, salt=f"{salt}/passage")
+    cue = exact_length_text(factory.encode, factory.decode, passage, cue_tokens, max_tries)
+    head = f"{lead}\n\n{passage}\n\n"
+    head_tokens = len(factory.encode(head))
+    tail = f"\n\n{cue}"
+    filler_tokens = n_tokens - head_tokens - len(factory.encode(tail))
+    if filler_tokens < 16:
+        raise PromptLengthError(f"{n_tokens} tokens cannot hold a {lead_tokens}-token lead-in, a "
+                                f"{passage_tokens}-token passage and its {cue_tokens}-token cue")
+    offsets = [0]
+    for step in range(1, max_tries):
+        offsets += [-step, step]
+    for offset in offsets[:max_tries]:
+        if filler_tokens + offset < 1:
+            continue
+        filler = factory.prompt(filler_tokens + offset, index, salt=f"{salt}/filler")
+        text = head + filler + tail
+        if len(factory.encode(text)) == n_tokens:
+            return CopyTask(text, len(factory.encode(f"{lead}\n\n")), passage_tokens, cue_tokens)
+    raise PromptLengthError(f"no filler length near {filler_tokens} makes the copy task exactly {n_tokens} tokens")

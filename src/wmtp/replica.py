@@ -402,20 +402,43 @@ def auto_splits(length: int, num_kv_heads: int, sms: int = 132, min_chunk: int =
 
 #: Split-KV launch knobs: a global override (CLI) and per-(head_dim, BLOCK_M) tuned choices.
 TRITON_ATTN_KNOBS: dict[str, int | None] = {"block_n": None, "num_warps": None, "num_stages": None}
-ATTN_TUNED: dict[tuple[int, int], tuple[int, int, int]] = {}
+#: Probe on the lent H200 (measurements/h200/replica_attention_bench.csv): d = 256, up to 64 rows.
+ATTN_TUNED: dict[tuple[int, int], tuple[int, int, int]] = {
+    (256, 16): (64, 4, 3),
+    (256, 32): (64, 4, 3),
+    (256, 64): (64, 4, 3),
+}
 LOG2E = 1.4426950408889634
 
 
+def attn_smem_bytes(block_m: int, block_n: int, stages: int, d: int) -> int:
+    """Shared memory the split-KV kernel needs, roughly: the q tile plus K and V tiles per stage."""
+    return 2 * block_m * d + stages * 2 * block_n * d * 2
+
+
+SMEM_LIMIT = 200 * 1024  # of the H200's 227 KiB per block, with headroom
+
+
+def _fit_smem(block_m: int, d: int, v: tuple[int, int, int]) -> tuple[int, int, int]:
+    bn, w, st = v
+    while attn_smem_bytes(block_m, bn, st, d) > SMEM_LIMIT and st > 2:
+        st -= 1
+    while attn_smem_bytes(block_m, bn, st, d) > SMEM_LIMIT and bn > 16:
+        bn //= 2
+    return bn, (8 if block_m * d >= 128 * 256 else w), st
+
+
 def _attn_launch(d: int, block_m: int) -> tuple[int, int, int]:
-    tuned = [bm for (dd, bm) in ATTN_TUNED if dd == d]
-    if tuned:  # the tuned class nearest in rows
-        default = ATTN_TUNED[(d, min(tuned, key=lambda bm: abs(math.log2(bm / block_m))))]
-    elif d >= 256:
-        default = (64, 4, 3)  # best of the probe on the H200 at 1M (84-86 % of copy for T = 1..6)
+    if (d, block_m) in ATTN_TUNED:
+        default = ATTN_TUNED[(d, block_m)]
     else:
-        default = (64, 4, 3) if block_m <= 64 else (32, 8, 3)
+        tuned = [bm for (dd, bm) in ATTN_TUNED if dd == d]
+        # the tuned class nearest in rows, else the probe's best for d = 256 (84-86 % of copy at 1M)
+        nearest = min(tuned, key=lambda bm: abs(math.log2(bm / block_m))) if tuned else None
+        default = ATTN_TUNED[(d, nearest)] if nearest is not None else (64, 4, 3)
     k = TRITON_ATTN_KNOBS
-    return (k["block_n"] or default[0], k["num_warps"] or default[1], k["num_stages"] or default[2])
+    v = (k["block_n"] or default[0], k["num_warps"] or default[1], k["num_stages"] or default[2])
+    return _fit_smem(block_m, d, v)
 
 
 def _triton_attention(
@@ -1269,7 +1292,8 @@ def _stats(name: str, ms: list[float]) -> dict[str, float]:
 def check_attention(backend: str, sink: CsvSink, device: str = "cuda") -> bool:
     """Correctness of decode attention against float32 with an explicit mask, on fresh random inputs."""
     all_ok = True
-    for hq, hkv, d, n, t in ((16, 2, 256, 70_000, 4), (32, 2, 128, 50_000, 6), (16, 2, 256, 9_000, 1)):
+    shapes = ((16, 2, 256, 70_000, 4), (32, 2, 256, 30_000, 6), (32, 2, 128, 50_000, 6), (16, 2, 256, 9_000, 1))
+    for hq, hkv, d, n, t in shapes:
         n = n if _is_cuda(device) else n // 20
         kc = torch.randn(n + t, hkv, d, device=device, dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
@@ -1460,7 +1484,7 @@ def tune_attention(
         q = torch.randn(a.num_q_heads, t, a.head_dim, device=rep.device, dtype=rep.dtype)
         rng = [KeyRange(0, n + t, causal_tail=t)]
         best: tuple[float, tuple[int, int, int]] | None = None
-        for variant in TUNE_VARIANTS:
+        for variant in sorted({_fit_smem(block_m, a.head_dim, v) for v in TUNE_VARIANTS}):
             ATTN_TUNED[(a.head_dim, block_m)] = variant
             try:
                 ms = timer.time(partial(layer.core, q, rng, AttnCtx("triton", None, sms)), reps, scrub=True)
@@ -1524,7 +1548,7 @@ def sweep_model(
     timer = GraphTimer(cfg.use_graphs, device=dev)
     sms = _sms(dev)
     a = spec.attention
-    if backend == "triton" and _is_cuda(dev) and a.head_dim != 256:  # d = 256 was tuned by the probe
+    if backend == "triton" and _is_cuda(dev):  # classes the probe did not measure
         tune_attention(rep, max(contexts), sorted({1, max_k + 1}), timer, sink, copy_bw, cfg.reps)
     for n in contexts:
         for k in cfg.ks:
@@ -1667,16 +1691,17 @@ def run_sweep(cfg: SweepConfig) -> int:
                 sink.write("replica_checks", {"check": "fused", "backend": "triton", "ok": False, "note": str(e)[:200]})
                 ok = False
             if not ok:
-                log.error("fused kernels failed their check: the sweep uses plain torch ops")
-                impl = "torch"
+                log.error("fused kernels failed their check: the sweep uses plain torch ops and aten attention")
+                impl, backend = "torch", "aten"
         _empty_cache(dev)
     manifest["backend"], manifest["impl"] = backend, impl
     (cfg.out / "replica_manifest.json").write_text(json.dumps(manifest, indent=2))
     for path in cfg.models:
         try:
             sweep_model(cfg, path, sink, copy_bw, backend, t0, impl)
-        except torch.cuda.OutOfMemoryError:
-            log.exception("%s: out of memory", path)
+        except Exception as e:  # one model's failure must not lose the others
+            log.exception("%s failed", path)
+            sink.write("replica_checks", {"check": "sweep_model", "ok": False, "note": f"{path.name}: {e}"[:200]})
         _empty_cache(dev)
         if time.time() - t0 > cfg.deadline_s:
             break

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +19,15 @@ log = logging.getLogger(__name__)
 
 class ServerError(RuntimeError):
     pass
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL it when the process that started it dies, even by SIGKILL (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -54,7 +64,8 @@ class ServerProcess:
         full_env = {**os.environ, **self.env}
         log.info("starting server: %s", " ".join(self.argv))
         self.proc = subprocess.Popen(self.argv, stdout=log_file, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True, stdin=subprocess.DEVNULL)
+                                     start_new_session=True, stdin=subprocess.DEVNULL,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         log_file.close()
 
     @property

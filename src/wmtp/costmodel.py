@@ -152,9 +152,7 @@ def _expand(pattern: str, legend: Mapping[str, list[str]], what: str) -> tuple[t
         parts = tuple(legend[ch])
         unknown = [p for p in parts if p not in COMPONENTS]
         if unknown:
-            raise ValueError(
-                f"pattern_legend[{ch!r}] names unknown components {unknown}; known: {COMPONENTS}"
-            )
+            raise ValueError(f"pattern_legend[{ch!r}] names unknown components {unknown}; known: {COMPONENTS}")
         out.append(parts)
     return tuple(out)
 
@@ -262,9 +260,7 @@ def moe_dense_params(spec: ModelSpec) -> int:
 
 def moe_params_touched(spec: ModelSpec, tokens: int) -> float:
     m = spec.moe
-    return moe_dense_params(spec) + expected_distinct_experts(m.num_experts, m.top_k, tokens) * expert_params(
-        spec
-    )
+    return moe_dense_params(spec) + expected_distinct_experts(m.num_experts, m.top_k, tokens) * expert_params(spec)
 
 
 def layer_params_touched(spec: ModelSpec, parts: tuple[str, ...], tokens: int) -> float:
@@ -609,8 +605,7 @@ class Prediction:
             "draft_kv_bytes_win": win.draft.kv,
             "draft_kv_share": self.draft_kv_share,
             "ring_reclaimed_fraction": self.ring_reclaimed_fraction,
-            "limit_ratio": 1.0
-            + self.k * (self.kv.draft_kv / self.kv.target_kv if self.kv.target_kv else 0.0),
+            "limit_ratio": 1.0 + self.k * (self.kv.draft_kv / self.kv.target_kv if self.kv.target_kv else 0.0),
         }
 
 
@@ -683,6 +678,4 @@ if __name__ == "__main__":  # pragma: no cover - a quick look from the shell
     for path in sys.argv[1:] or sorted(Path("config/models").glob("*.json")):
         for n in (2048, 131072, 1048576):
             print(describe(predict(path, n, 3, 4, 2048)))
-        print(
-            f"  (limit ratio {limit_ratio(path, 3):.3f}, params {total_params(load_model(path)) / 1e9:.2f}e9)"
-        )
+        print(f"  (limit ratio {limit_ratio(path, 3):.3f}, params {total_params(load_model(path)) / 1e9:.2f}e9)")

@@ -128,6 +128,7 @@ class CopyTask:
     passage_start: int  # tokens before the passage (the lead-in)
     passage_tokens: int
     cue_tokens: int
+    continuation: str  # the rest of the passage after the cue: what a faithful copy generates next
 
     def distance(self, n_tokens: int) -> int:
         """Tokens between the end of the prompt and the start of the passage it repeats."""
@@ -167,5 +168,6 @@ def copy_task_prompt(factory: PromptFactory, n_tokens: int, index: int, passage_
         filler = factory.prompt(filler_tokens + offset, index, salt=f"{salt}/filler")
         text = head + filler + tail
         if len(factory.encode(text)) == n_tokens:
-            return CopyTask(text, len(factory.encode(f"{lead}\n\n")), passage_tokens, cue_tokens)
+            return CopyTask(text, len(factory.encode(f"{lead}\n\n")), passage_tokens, cue_tokens,
+                            passage[len(cue):])
     raise PromptLengthError(f"no filler length near {filler_tokens} makes the copy task exactly {n_tokens} tokens")

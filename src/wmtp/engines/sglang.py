@@ -7,16 +7,16 @@ Arms (facts from the sglang 0.5.21 wheel's ``arg_groups/fields/spec.py`` and ``s
 
 * ``mtp`` — the checkpoint's own MTP head: ``--speculative-algorithm NEXTN`` (SGLang's name for a
   built-in MTP head; it resolves to its EAGLE worker, so ``EAGLE`` would do the same), a chain draft
-  (``--speculative-eagle-topk 1``, which hybrid GDN/Mamba targets require), k draft steps
+  (``--speculative-eagle-topk 1``: one proposal per step, as the seed's vLLM MTP), k draft steps
   (``--speculative-num-steps k``) and k+1 verified tokens (``--speculative-num-draft-tokens k+1``).
 * ``wmtp`` — the same plus upstream's windowed draft decode (sgl-project/sglang PR #32673, first
   released in sglang 0.5.21): ``--speculative-draft-window-size W --speculative-draft-sink-size S``.
   Each draft-decode step then reads the first S and the most recent W prefix tokens (token-granular,
   unlike our block-granular vLLM plugin); the target's verify pass stays full-context. Only the
-  Triton and FlashInfer *draft* attention backends honour it — other backends (fa3, the usual
-  default on Hopper) silently read the full context — so every drafting arm gets
-  ``--speculative-draft-attention-backend`` (FlashInfer unless the study's serve_args choose Triton):
-  the same draft backend in ``mtp`` and ``wmtp``, so the arms differ only in the window.
+  Triton and FlashInfer *draft* attention backends honour it — others (fa3; trtllm_mha, which 0.5.21
+  picks by itself for Nemotron-H drafts on Blackwell) silently read the full context — so every drafting
+  arm gets ``--speculative-draft-attention-backend`` (FlashInfer unless the study's serve_args choose
+  Triton): the same draft backend in ``mtp`` and ``wmtp``, so the arms differ only in the window.
 * ``wmtp-ring`` — ours, not upstream's: not built for SGLang yet (``RingNotBuilt``).
 
 Counters: SGLang's Prometheus spec metrics are gauges (acceptance length/rate), which cannot be
@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 HEALTH_PATH = "/health"
-# The first sglang release whose server args have both window flags (checked in the 0.5.18–0.5.21
-# wheels: 0.5.20 had --speculative-draft-window-size for EAGLE-3/DFLASH only, no sink, no MTP path).
+# The first sglang release whose server args have both window flags (checked in the 0.5.17–0.5.21
+# wheels: 0.5.19 and 0.5.20 had --speculative-draft-window-size for EAGLE-3/DFLASH only, no sink).
 FIRST_WINDOWED_VERSION = "0.5.21"
 WINDOW_FLAGS = ("--speculative-draft-window-size", "--speculative-draft-sink-size")
 DRAFT_BACKEND_FLAG = "--speculative-draft-attention-backend"
@@ -134,7 +134,8 @@ def serve_argv(python: str, model_dir: Path | str, served_name: str, port: int, 
 
 
 def server_env(engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path | None = None) -> dict[str, str]:
-    """Temporary files and kernel caches inside the cell's own directory, never the user's home."""
+    """Temporary files in ``tmp_dir``, kernel caches under ``work_dir`` (the cache directory the cell runner
+    gives, shared by the cells of one engine), never the user's home."""
     env = dict(engine_env)
     env.setdefault("TMPDIR", str(tmp_dir or work_dir / "tmp"))
     env.setdefault("TRITON_CACHE_DIR", str(work_dir / "triton-cache"))

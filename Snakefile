@@ -12,6 +12,7 @@ include: "rules/models.smk"
 include: "rules/engines.smk"
 include: "rules/cells.smk"
 include: "rules/collect.smk"
+include: "rules/replica.smk"
 include: "rules/report.smk"
 
 

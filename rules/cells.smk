@@ -3,7 +3,7 @@
 
 rule cell:
     input:
-        engine=lambda wc: engine_manifest(CELLS[wc.cell].engine),
+        engine=lambda wc: engine_input(CELLS[wc.cell].engine),
         model=lambda wc: model_files(CELLS[wc.cell].model),
     output:
         manifest=RESULTS / "raw" / "{cell}" / "manifest.json",
@@ -14,6 +14,7 @@ rule cell:
     params:
         py=PY,
         config=RESOLVED_CONFIG,
+        engine_hash=lambda wc: engine_hash(CELLS[wc.cell].engine),
         model_dir=lambda wc: STUDY.model_dir(CELLS[wc.cell].model),
         out=lambda wc: cell_dir(wc.cell),
     resources:

@@ -6,7 +6,7 @@ from pathlib import Path
 from snakemake.utils import validate
 
 from wmtp.config import ConfigError, study_from_dict
-from wmtp.engines.build import engine_python
+from wmtp.engines.build import engine_python, spec_hash
 
 
 validate(config, schema="../config/schemas/config.schema.yaml")
@@ -37,6 +37,15 @@ wildcard_constraints:
 
 def engine_manifest(engine_name):
     return ENGINES / engine_name / "manifest.json"
+
+
+def engine_input(engine_name):
+    """An engine as a job input: rebuilt only when its spec changes (see engine_hash), not on a re-check."""
+    return ancient(engine_manifest(engine_name))
+
+
+def engine_hash(engine_name):
+    return spec_hash(STUDY.engine(engine_name))
 
 
 def engine_python_of(engine_name):

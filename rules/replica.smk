@@ -18,7 +18,7 @@
 
 
 REPLICA = config.get("replica", {})
-REPLICA_RESULTS = Path("results") / "replica"
+REPLICA_RESULTS = Path(STUDY.results_dir) / "replica"
 REPLICA_LABEL = REPLICA.get("label", "h200")
 REPLICA_MODELS = REPLICA.get(
     "models",
@@ -50,7 +50,9 @@ rule replica:
         reps=REPLICA.get("reps", 30),
     resources:
         gpu=1,
-    # no conda env: it runs in the GPU machine's own Python (CUDA torch + triton), as the H200 image has
+    # Runs in the GPU machine's own Python (CUDA torch + triton); envs/replica.yaml describes it.
+    conda:
+        "../envs/replica.yaml"
     shell:
         "{params.py} -m wmtp.replica sweep --models {input} --contexts {params.contexts} --ks {params.ks}"
         " --sink {params.sink} --window {params.window} --reps {params.reps} --out {params.out} > {log} 2>&1"

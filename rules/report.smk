@@ -5,6 +5,7 @@ rule report:
     input:
         tidy_tables(),
         notebook="notebooks/report.ipynb",
+        replica=REPLICA_RESULTS / "tidy" / "replica.parquet",
     output:
         RESULTS / "report" / "index.html",
     log:
@@ -18,4 +19,5 @@ rule report:
     conda:
         "../envs/pipeline.yaml"
     shell:
-        "{params.py} -m wmtp --log {log} report --study {params.study} --tidy {params.tidy} --out {params.out}"
+        "{params.py} -m wmtp --log {log} report --study {params.study} --tidy {params.tidy} --out {params.out} "
+        "--replica {input.replica}"

@@ -55,9 +55,10 @@ class EngineSpec(_Strict):
 
 class ModelSpec(_Strict):
     name: str
-    # Exactly one of: a local checkpoint directory, or a model that a rule generates ("tiny").
+    # Exactly one of: a local checkpoint directory, or a model that a rule generates: "tiny" (random
+    # weights) or "trained" (the committed trained checkpoint, tests/fixtures/tiny-trained).
     path: str | None = None
-    generate: Literal["tiny"] | None = None
+    generate: Literal["tiny", "trained"] | None = None
     seed: int = 0
     hf_id: str | None = None
     max_model_len: int
@@ -93,6 +94,8 @@ class Study(_Strict):
     results_dir: str = "results"
     engines_dir: str = "results/engines"
     models_dir: str = "results/models"
+    # The GPU replica's settings (rules/replica.smk reads them from Snakemake's config directly).
+    replica: dict[str, Any] = Field(default_factory=dict)
     engines: list[EngineSpec]
     models: list[ModelSpec]
     arms: list[ArmSpec]

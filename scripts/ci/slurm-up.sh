@@ -67,7 +67,7 @@ mem_mb="$(awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.9}' /proc/meminfo)"
 cat > "$CONF_DIR/slurm.conf" <<EOF
 # Written by wmtp scripts/ci/slurm-up.sh: one node, no accounting, a fake gpu:2 gres.
 ClusterName=wmtp-ci
-SlurmctldHost=$NODE
+SlurmctldHost=$NODE(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -89,7 +89,7 @@ MinJobAge=300
 ReturnToService=2
 SchedulerType=sched/backfill
 GresTypes=gpu
-NodeName=$NODE CPUs=$cpus RealMemory=$mem_mb Gres=gpu:2 State=UNKNOWN
+NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb Gres=gpu:2 State=UNKNOWN
 PartitionName=ci Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
 EOF
 cat > "$CONF_DIR/gres.conf" <<EOF

@@ -65,6 +65,17 @@ def test_apptainer_argv(tmp_path):
     assert "--nv" not in no_gpu
 
 
+def test_serve_command_of_a_cell(tmp_path):
+    spec = EngineSpec(name="v", kind="vllm", source="container", image="nvcr.io/nvidia/vllm:26.09")
+    env = {"TMPDIR": str(tmp_path / "t"), "VLLM_CACHE_ROOT": str(tmp_path / "cache" / "vllm")}
+    argv = container.serve_command(spec, SERVE, model_dir=tmp_path / "m", work_dir=tmp_path / "cache", port=8123,
+                                   env=env)
+    assert argv[0] == "docker" and _pairs(argv, "--name") == ["wmtp-8123"]
+    t = (tmp_path / "t").resolve()
+    assert f"{t}:{t}:rw" in _pairs(argv, "-v")  # the server's TMPDIR exists inside too
+    assert (tmp_path / "cache" / "wmtp-site").is_dir()
+
+
 def test_pip_install_at_start(tmp_path):
     argv = container.wrap_argv(SERVE, runtime="docker", image="img", work_dir=tmp_path, install="pip", binary="docker")
     tail = argv[argv.index("img") + 1:]

@@ -111,12 +111,14 @@ def wrap_argv(argv: Sequence[str], *, runtime: Runtime, image: str, work_dir: Pa
               model_dir: Path | None = None, repo: Path = REPO_ROOT, env: Mapping[str, str] | None = None,
               gpus: str | Sequence[int] | None = "all", name: str | None = None,
               network: Literal["host", "bridge"] = "host", port: int | None = None,
-              install: Literal["pythonpath", "pip"] = "pythonpath", binary: str | None = None) -> list[str]:
+              install: Literal["pythonpath", "pip"] = "pythonpath", binary: str | None = None,
+              extra_binds: Sequence[Path] = ()) -> list[str]:
     """``argv`` (the engine's serve or probe command) run inside ``image``.
 
     ``gpus``: ``"all"``, GPU indices, or ``None`` (no GPU, e.g. the self-check on a login node).
     ``env`` is set inside the container (with PYTHONPATH for the plugin added). The caller creates
-    ``work_dir`` (``plugin_site`` writes into it for the default install).
+    ``work_dir`` (``plugin_site`` writes into it for the default install). ``extra_binds`` are more
+    host directories the server writes to (its TMPDIR), mounted read-write at the same path.
     """
     repo, work_dir = repo.resolve(), work_dir.resolve()
     site_dir = work_dir / "wmtp-site"
@@ -129,6 +131,7 @@ def wrap_argv(argv: Sequence[str], *, runtime: Runtime, image: str, work_dir: Pa
     binds = [(repo, repo, "ro"), (work_dir, work_dir, "rw")]
     if model_dir is not None:
         binds.append((model_dir.resolve(), model_dir.resolve(), "ro"))
+    binds += [(Path(p).resolve(), Path(p).resolve(), "rw") for p in extra_binds]
     exe = binary or runtime_binary(runtime)
     if runtime == "docker":
         out = [exe, "run", "--rm", "--init", "--ipc=host"]
@@ -264,8 +267,9 @@ def serve_command(spec, argv: Sequence[str], *, model_dir: Path, work_dir: Path,
     runtime: Runtime = spec.container_runtime or default_runtime(spec.image)
     work_dir = work_dir.resolve()
     plugin_site(work_dir / "wmtp-site")
+    tmp = [Path(env["TMPDIR"])] if env.get("TMPDIR", "").startswith("/") else []
     return wrap_argv(argv, runtime=runtime, image=spec.image, work_dir=work_dir, model_dir=Path(model_dir),
-                     env=env, name=f"wmtp-{port}", port=port)
+                     env=env, name=f"wmtp-{port}", port=port, extra_binds=tmp)
 
 
 def engine_manifest(spec, engine_dir: Path, spec_hash: str) -> dict:

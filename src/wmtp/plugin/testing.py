@@ -24,7 +24,7 @@ from wmtp.plugin import window as win
 
 ENV = "WMTP_PLUGIN_TEST_DIR"
 _control: dict[str, Any] = {}
-_control_stamp: int | None = None
+_control_stamp: tuple[int, int, int] | None = None
 
 
 def _dir() -> Path | None:
@@ -39,10 +39,11 @@ def _read_control() -> dict[str, Any]:
         return {}
     path = directory / "control.json"
     try:
-        stamp = path.stat().st_mtime_ns
+        stat = path.stat()
     except FileNotFoundError:
         _control, _control_stamp = {}, None
         return _control
+    stamp = (stat.st_mtime_ns, stat.st_ino, stat.st_size)  # the tests replace the file atomically
     if stamp != _control_stamp:
         _control, _control_stamp = json.loads(path.read_text()), stamp
     return _control

@@ -1,0 +1,669 @@
+"""Windowed-MTP inside the real vLLM CPU build: lossless, read set, bound, acceptance.
+
+Engine tests run the engine's own interpreter: ``WMTP_ENGINE_PYTHON`` (default
+/tmp/probe/venv/bin/python). When the variable is set and that interpreter cannot run vLLM with our
+plugin, the tests fail; they skip only when it is unset and the default does not exist.
+
+A server start costs 80–160 s on a 2-core box (three processes each import torch and vLLM), so the
+file starts one server and runs everything else through vLLM's in-process engine (``LLM`` with the
+engine core and worker in one interpreter: one import, ≈ 6 s per engine), each a module-scoped fixture
+that finishes its requests and stops before the tests read its results:
+
+- ``engines``: one interpreter, one engine per arm and window, sequentially: none and mtp on the
+  random-weight model, wmtp at each (S, W) on it, wmtp on the all-zero lm_head model;
+- ``server_run``: arm wmtp on the all-zero lm_head model as a real OpenAI server (API server,
+  EngineCore and worker processes; counters from /metrics).
+
+The plugin's test instruments (wmtp.plugin.testing, inert unless WMTP_PLUGIN_TEST_DIR is set) tag
+records per request, record the block tables handed to the draft and its proposals, and poison KV
+blocks for the read-set proof.
+
+The random-weight model has its MTP layer's o_proj scaled ×30 so that the draft is attention-dominated
+(DESIGN.md): the target is untouched, so none's outputs are those of the plain random model, while the
+draft's proposals react to what its attention reads.
+
+Read-set proof used here: KV poisoning. Before every draft forward the draft layer's KV blocks outside
+sink ∪ window are overwritten with large random values. The windowed draft's proposals stay identical
+to an unpoisoned run, while a draft that reads the whole context (W beyond the context, i.e. mtp)
+under the same poisoning changes its proposals: the poison is visible to any reader, and the windowed
+draft reads none of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from wmtp.plugin import window as win
+
+DEFAULT_ENGINE_PYTHON = "/tmp/probe/venv/bin/python"
+K = 3
+MAX_TOKENS = 24
+PROMPT_LENGTHS = (330, 700, 1100)  # > --max-num-batched-tokens from 700 on: prefill comes in chunks
+CHUNK_TOKENS = 512
+# (S, W): the design point, no sink, a window smaller than a KV block with a sink smaller than one,
+# and a larger sink + window.
+WINDOWS = ((16, 128), (0, 64), (4, 8), (130, 170))
+WIDE_OPEN = (0, 1_000_000)  # W beyond every context: the wrapper hands the metadata through (= mtp)
+POISON_LENGTH = 1100
+EPS = 0.05
+SERVER_TIMEOUT_S = 420
+ENGINE_ARGS = ["--dtype", "bfloat16", "--enforce-eager", "--no-enable-prefix-caching",
+               "--max-num-batched-tokens", str(CHUNK_TOKENS)]
+ACTIVE_LINE = "wmtp: windowed MTP draft active"
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine interpreter
+
+
+def _engine_python() -> str:
+    configured = os.environ.get("WMTP_ENGINE_PYTHON")
+    python = configured or DEFAULT_ENGINE_PYTHON
+    if not configured and not Path(python).exists():
+        pytest.skip(f"no engine: WMTP_ENGINE_PYTHON is unset and {DEFAULT_ENGINE_PYTHON} does not exist")
+    probe = ("from wmtp.engines.vllm_hooks import check_hook_points; import json; "
+             "print(json.dumps(check_hook_points()))")
+    try:
+        out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120)
+    except OSError as err:
+        pytest.fail(f"engine python {python} cannot run: {err}")
+    if out.returncode != 0:
+        pytest.fail(f"engine python {python} cannot check the wmtp hook points:\n{out.stderr[-3000:]}")
+    return python
+
+
+@pytest.fixture(scope="module")
+def engine_python() -> str:
+    return _engine_python()
+
+
+def _run_engine(python: str, code: str, timeout_s: float = 300, env: dict | None = None) -> str:
+    out = subprocess.run([python, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         timeout=timeout_s, env={**os.environ, **(env or {})})
+    assert out.returncode == 0, f"engine script failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    return out.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# check_hook_points against fake vLLM source trees (no engine needed)
+
+FAKE_PROPOSER = '''
+class SpecDecodeBaseProposer:
+    def propose(self):
+        self.build_per_group_and_layer_attn_metadata(cm)
+        for i in range(3):
+            self.build_per_group_and_layer_attn_metadata(cm, draft_index=i + 1)
+
+    def build_per_group_and_layer_attn_metadata(self, common_attn_metadata, draft_index=0):
+        pass
+'''
+FAKE_BACKEND = '''
+class CommonAttentionMetadata:
+    query_start_loc: object
+    seq_lens: object
+    max_query_len: int
+    max_seq_len: int
+    block_table_tensor: object
+    seq_lens_cpu_upper_bound: object = None
+    dcp_local_seq_lens: object = None
+    _num_computed_tokens_cache: object = None
+'''
+
+
+def _fake_vllm(root: Path, proposer: str = FAKE_PROPOSER, backend: str = FAKE_BACKEND) -> Path:
+    pkg = root / "vllm"
+    (pkg / "v1" / "spec_decode").mkdir(parents=True)
+    (pkg / "v1" / "attention").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_version.py").write_text("__version__ = version = '9.9.9'\n")
+    (pkg / "v1" / "spec_decode" / "llm_base_proposer.py").write_text(proposer)
+    (pkg / "v1" / "attention" / "backend.py").write_text(backend)
+    return root
+
+
+def _check_fake(tmp_path, monkeypatch, **kwargs):
+    from wmtp.engines.vllm_hooks import check_hook_points
+
+    monkeypatch.syspath_prepend(str(_fake_vllm(tmp_path, **kwargs)))
+    return check_hook_points()
+
+
+def test_check_hook_points_accepts_the_expected_shape(tmp_path, monkeypatch):
+    found = _check_fake(tmp_path, monkeypatch)
+    assert found["vllm_version"] == "9.9.9"
+    assert found["method_params"] == ["common_attn_metadata", "draft_index"]
+    assert found["calls_in_propose"] == 2
+
+
+@pytest.mark.parametrize(("proposer", "backend", "message"), [
+    (FAKE_PROPOSER.replace("SpecDecodeBaseProposer", "BaseProposer"), FAKE_BACKEND,
+     "vLLM 9.9.9: vllm.v1.spec_decode.llm_base_proposer has no class SpecDecodeBaseProposer"),
+    (FAKE_PROPOSER.replace("def build_per_group_and_layer_attn_metadata", "def build_metadata"), FAKE_BACKEND,
+     "vLLM 9.9.9: vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer has no method "
+     "build_per_group_and_layer_attn_metadata"),
+    (FAKE_PROPOSER.replace("common_attn_metadata, draft_index=0", "cm, draft_index=0"), FAKE_BACKEND,
+     "takes ['cm', 'draft_index']"),
+    (FAKE_PROPOSER, FAKE_BACKEND.replace("seq_lens_cpu_upper_bound", "seq_lens_cpu"),
+     "vLLM 9.9.9: vllm.v1.attention.backend.CommonAttentionMetadata has no field seq_lens_cpu_upper_bound"),
+])
+def test_check_hook_points_names_what_is_missing(tmp_path, monkeypatch, proposer, backend, message):
+    from wmtp.plugin.hookpoints import HookPointError
+
+    with pytest.raises(HookPointError) as err:
+        _check_fake(tmp_path, monkeypatch, proposer=proposer, backend=backend)
+    assert message in str(err.value)
+
+
+def test_engine_python_set_but_broken_fails(tmp_path, monkeypatch):
+    monkeypatch.setenv("WMTP_ENGINE_PYTHON", str(tmp_path / "no-such-python"))
+    with pytest.raises(pytest.fail.Exception, match="cannot run"):
+        _engine_python()
+
+
+# --------------------------------------------------------------------------------------------------
+# Inside the engine interpreter, without a server
+
+IN_ENGINE = r"""
+import dataclasses, importlib, json, random, sys, time, types
+started = time.monotonic()
+import wmtp.plugin as plugin
+from wmtp.plugin import hookpoints as hp, window as win
+
+# register() is idempotent and patches the class when its module is first imported.
+plugin.register(); plugin.register()
+assert sum(getattr(f, "wmtp_import_hook", False) for f in sys.meta_path) == 1
+assert hp.PROPOSER_MODULE not in sys.modules
+module = importlib.import_module(hp.PROPOSER_MODULE)
+cls = module.SpecDecodeBaseProposer
+method = getattr(cls, hp.BUILD_METHOD)
+original = method.__wmtp_original__
+assert not hasattr(original, "__wmtp_original__")
+assert cls.__init__.__wmtp_original__ is not None
+plugin._registered = False
+plugin.register()  # a second registration in the same process (module already imported)
+assert getattr(cls, hp.BUILD_METHOD) is method
+
+from wmtp.engines.vllm_hooks import check_hook_points
+deep = check_hook_points(deep=True)
+assert deep["patched"], deep
+
+# The tensor implementation against the integer reference, on random batches.
+import torch
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from wmtp.plugin.hook import window_metadata
+rng = random.Random(0)
+checked = 0
+for trial in range(300):
+    block = rng.choice([16, 128, 256])
+    sink, window = rng.choice([0, 4, 16, 300]), rng.choice([1, 8, 128, 700])
+    rows = rng.randint(1, 6)
+    qlens = [rng.choice([1, 4, rng.randint(1, 900)]) for _ in range(rows)]
+    seqs = [q + rng.randint(0, 6000) for q in qlens]
+    if trial % 7 == 0:
+        seqs[0] = 0; qlens[0] = 0  # a padding row
+    cols = max(-(-s // block) for s in seqs) + rng.randint(0, 3)
+    table = torch.randint(0, 100000, (rows + rng.randint(0, 2), max(cols, 1)), dtype=torch.int32)
+    qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0).tolist()), dtype=torch.int32)
+    seq_t = torch.tensor(seqs, dtype=torch.int32)
+    cm = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_t, num_reqs=rows,
+        num_actual_tokens=int(qsl[-1]), max_query_len=max(qlens), max_seq_len=max(seqs) + 5,
+        block_table_tensor=table, slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
+        seq_lens_cpu_upper_bound=seq_t.clone() + 2)
+    before = {f.name: (v.clone() if isinstance(v := getattr(cm, f.name), torch.Tensor) else v)
+              for f in dataclasses.fields(cm)}
+    config = win.WindowConfig(sink, window)
+    out = window_metadata(cm, config, block)
+    for name, value in before.items():  # the shared metadata is never mutated
+        now = getattr(cm, name)
+        assert (torch.equal(now, value) if isinstance(value, torch.Tensor) else now == value), name
+    if not win.needs_window(cm.max_seq_len, sink, window):
+        assert out is cm
+        continue
+    assert out is not cm
+    for name in ("seq_lens", "block_table_tensor", "seq_lens_cpu_upper_bound"):
+        assert getattr(out, name).data_ptr() != getattr(cm, name).data_ptr(), name
+    assert out.slot_mapping is cm.slot_mapping and out.query_start_loc is cm.query_start_loc
+    assert out._num_computed_tokens_cache is None
+    assert out.block_table_tensor.dtype == torch.int32
+    bound = win.seq_len_bound(max(qlens), sink, window, block)
+    assert out.max_seq_len == min(cm.max_seq_len, bound)
+    assert out.block_table_tensor.shape[1] <= win.table_width_bound(max(qlens), sink, window, block)
+    for r in range(rows):
+        expected = win.windowed_seq_len(seqs[r], qlens[r], sink, window, block)
+        assert int(out.seq_lens[r]) == expected, (r, seqs[r], qlens[r], sink, window, block)
+        assert int(out.seq_lens_cpu_upper_bound[r]) >= expected
+        kept = win.kept_blocks(seqs[r], qlens[r], sink, window, block)
+        assert out.block_table_tensor[r, :len(kept)].tolist() == table[r, kept].tolist()
+        checked += 1
+
+# A vLLM without the hook point: a configured proposer refuses to start, naming what is missing.
+from wmtp.plugin import hook
+from wmtp.plugin.hookpoints import HookPointError
+fake = types.ModuleType(hp.PROPOSER_MODULE)
+class SpecDecodeBaseProposer:
+    def __init__(self, vllm_config, device=None):
+        self.vllm_config = vllm_config
+fake.SpecDecodeBaseProposer = SpecDecodeBaseProposer
+hook.patch(fake)
+plain = types.SimpleNamespace(additional_config={}, parallel_config=types.SimpleNamespace())
+assert getattr(SpecDecodeBaseProposer(plain), hook.STATE_ATTR) is None  # unconfigured: no-op
+asked = types.SimpleNamespace(additional_config={"wmtp": {"sink": 16, "window": 128}},
+                              parallel_config=types.SimpleNamespace())
+try:
+    SpecDecodeBaseProposer(asked)
+    raise SystemExit("a configured proposer started without its hook point")
+except HookPointError as err:
+    refusal = str(err)
+print(json.dumps({"checked_rows": checked, "refusal": refusal, "deep": deep,
+                  "seconds": time.monotonic() - started}))
+"""
+
+
+@pytest.mark.engine
+def test_plugin_inside_the_engine(engine_python):
+    """register() idempotent, import-hook patching, tensor math = reference, no mutation, refusal."""
+    result = json.loads(_run_engine(engine_python, IN_ENGINE).strip().splitlines()[-1])
+    assert result["checked_rows"] > 300
+    assert "build_per_group_and_layer_attn_metadata" in result["refusal"]
+    assert f"vLLM {result['deep']['vllm_version']}" in result["refusal"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Models
+
+
+BUILD_SCALED = r"""
+import sys
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+path = Path(sys.argv[1]) / "model.safetensors"
+state = load_file(str(path))
+name = "mtp.layers.0.self_attn.o_proj.weight"
+state[name] = (state[name].float() * 30).to(state[name].dtype)
+save_file(state, str(path), metadata={"format": "pt"})
+"""
+
+
+def _build_model(python: str, out: Path, *extra: str) -> Path:
+    subprocess.run([python, "-m", "wmtp.tiny", "--out", str(out), *extra], check=True, capture_output=True,
+                   timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("plugin")
+
+
+@pytest.fixture(scope="module")
+def engine_env(work):
+    # One vLLM cache and one short TMPDIR (ZMQ socket paths) for every engine: caches carry over.
+    cache = work / "vllm-cache"
+    cache.mkdir(exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="wmtp-plugin-", dir="/tmp"))
+    yield {"VLLM_CACHE_ROOT": str(cache), "TMPDIR": str(tmp), "VLLM_CPU_KVCACHE_SPACE": "1",
+           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def random_model(engine_python, work) -> Path:
+    out = _build_model(engine_python, work / "tiny-random")
+    subprocess.run([engine_python, "-c", BUILD_SCALED, str(out)], check=True, capture_output=True, timeout=120)
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero_model(engine_python, work) -> Path:
+    return _build_model(engine_python, work / "tiny-zero", "--zero-lm-head")
+
+
+def _prompts() -> dict[int, list[int]]:
+    rng = random.Random(3)
+    return {n: [rng.randint(1, 4095) for _ in range(n)] for n in PROMPT_LENGTHS}
+
+
+# --------------------------------------------------------------------------------------------------
+# The in-process engines: every arm and window, one engine interpreter
+
+
+DRIVER = r"""
+import gc, json, os, sys, time
+spec = json.load(open(sys.argv[1]))
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
+from vllm import LLM, SamplingParams
+from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+test_dir = os.environ["WMTP_PLUGIN_TEST_DIR"]
+params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=2)
+results, timings = [], {}
+NAMES = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+         "vllm:spec_decode_num_accepted_tokens": "accepted"}
+
+def control(tag, window=None, poison=None):
+    body = {"tag": tag}
+    if window:
+        body.update(sink=window[0], window=window[1])
+    if poison:
+        body["poison"] = {"sink": poison[0], "window": poison[1]}
+    tmp = os.path.join(test_dir, "control.json.tmp")
+    with open(tmp, "w") as out:
+        json.dump(body, out)
+    os.replace(tmp, os.path.join(test_dir, "control.json"))
+
+def counters(llm):
+    out = {}
+    for metric in llm.get_metrics():
+        name = metric.name.removesuffix("_total")
+        if name in NAMES:
+            out[NAMES[name]] = out.get(NAMES[name], 0) + metric.value
+        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            for pos, value in enumerate(metric.values):
+                out[f"accepted_pos_{pos}"] = out.get(f"accepted_pos_{pos}", 0) + value
+    return out
+
+for engine in spec["engines"]:
+    started = time.monotonic()
+    kwargs = {}
+    if engine["arm"] != "none":
+        kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": spec["k"]}
+    if engine["arm"] == "wmtp":
+        sink, window = engine["window"]
+        kwargs["additional_config"] = {"wmtp": {"sink": sink, "window": window, "ring": False}}
+    llm = LLM(model=engine["model"], dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
+              max_model_len=4096, max_num_batched_tokens=spec["chunk"], distributed_executor_backend="uni",
+              disable_log_stats=False, seed=0, **kwargs)
+    timings[engine["name"]] = {"init_s": time.monotonic() - started}
+    started = time.monotonic()
+    for request in engine["requests"]:
+        control(request["tag"], request.get("window"), request.get("poison"))
+        before = counters(llm)
+        out = llm.generate([{"prompt_token_ids": spec["prompts"][str(request["length"])]}], params,
+                           use_tqdm=False)[0].outputs[0]
+        after = counters(llm)
+        gaps = []
+        for top in out.logprobs:
+            values = sorted((lp.logprob for lp in top.values()), reverse=True)
+            gaps.append(values[0] - values[1] if len(values) > 1 else float("inf"))
+        results.append({"engine": engine["name"], "tag": request["tag"], "length": request["length"],
+                        "ids": list(out.token_ids), "gaps": gaps,
+                        "counters": {key: after.get(key, 0) - before.get(key, 0) for key in after}})
+    timings[engine["name"]]["requests_s"] = time.monotonic() - started
+    control("idle")
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+json.dump({"results": results, "timings": timings}, open(sys.argv[2], "w"))
+"""
+
+
+def _engines(random_model: Path, zero_model: Path) -> list[dict]:
+    every = [{"length": n} for n in PROMPT_LENGTHS]
+    engines = [
+        {"name": "none", "arm": "none", "model": str(random_model),
+         "requests": [{**r, "tag": f"none {r['length']}"} for r in every]},
+        {"name": "mtp", "arm": "mtp", "model": str(random_model),
+         "requests": [{**r, "tag": f"mtp {r['length']}"} for r in every]},
+    ]
+    for window in WINDOWS:
+        requests = [{**r, "tag": f"lossless {window} {r['length']}"} for r in every]
+        if window == WINDOWS[0]:
+            # Read set: the same request clean and poisoned outside sink ∪ window of the design
+            # point, read through that window and through a window wider than the context (= mtp).
+            for read in (window, WIDE_OPEN):
+                for poisoned in (False, True):
+                    requests.append({"length": POISON_LENGTH, "tag": f"readset {read} {poisoned}",
+                                     "window": read, "poison": window if poisoned else None})
+        engines.append({"name": f"wmtp {window}", "arm": "wmtp", "window": window, "model": str(random_model),
+                        "requests": requests})
+    for window in WINDOWS[:2]:
+        engines.append({"name": f"zero {window}", "arm": "wmtp", "window": window, "model": str(zero_model),
+                        "requests": [{"length": n, "tag": f"zero {window} {n}"} for n in PROMPT_LENGTHS[1:]]})
+    return engines
+
+
+def _read_records(path: Path) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            out.setdefault(entry.get("tag") or "", []).append(entry)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(engine_python, random_model, zero_model, work, engine_env) -> dict:
+    """Every arm and window through the real engine, in one interpreter (one import of vLLM)."""
+    test_dir = work / "in-process"
+    test_dir.mkdir()
+    spec = {"k": K, "max_tokens": MAX_TOKENS, "chunk": CHUNK_TOKENS,
+            "prompts": {str(n): p for n, p in _prompts().items()},
+            "engines": _engines(random_model, zero_model)}
+    (test_dir / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, **engine_env, "WMTP_PLUGIN_TEST_DIR": str(test_dir),
+           # One thread, as vLLM's CPU worker sets itself in a server; spinning OpenMP threads on a
+           # busy 2-core box slow the in-process engine several-fold.
+           "OMP_NUM_THREADS": "1"}
+    log = test_dir / "driver.log"
+    with log.open("w") as out:
+        proc = subprocess.run([engine_python, "-c", DRIVER, str(test_dir / "spec.json"), str(test_dir / "out.json")],
+                              stdout=out, stderr=subprocess.STDOUT, env=env, timeout=900, check=False)
+    text = log.read_text(errors="replace")
+    assert proc.returncode == 0, f"in-process engines failed ({proc.returncode}):\n{text[-5000:]}"
+    done = json.loads((test_dir / "out.json").read_text())
+    outputs = {(r["engine"], r["tag"]): r for r in done["results"]}
+    return {"outputs": outputs, "records": _read_records(test_dir / "records.jsonl"), "log": text,
+            "timings": done["timings"]}
+
+
+# --------------------------------------------------------------------------------------------------
+# The real server: API server, EngineCore and worker processes, /metrics
+
+
+@pytest.fixture(scope="module")
+def server_run(engine_python, zero_model, work, engine_env, engines) -> dict:
+    """Arm wmtp on the all-zero lm_head model as a real OpenAI server; stopped before the tests read."""
+    from wmtp.client import complete
+    from wmtp.counters import delta
+    from wmtp.engines import vllm as adapter
+    from wmtp.server import ServerProcess, free_port, group_alive
+
+    run_dir = work / "server"
+    run_dir.mkdir()
+    port = free_port()
+    sink, window = WINDOWS[0]
+    argv = adapter.serve_argv(engine_python, zero_model, "tiny", port, max_model_len=4096, arm="wmtp", k=K,
+                              sink=sink, window=window, engine_args=ENGINE_ARGS)
+    env = {**engine_env, "WMTP_PLUGIN_TEST_DIR": str(run_dir)}
+    server = ServerProcess(argv, env, run_dir / "server.log", f"http://127.0.0.1:{port}")
+    prompts = _prompts()
+    outputs, deltas = {}, {}
+    started = time.monotonic()
+    try:
+        server.start()
+        healthy_s = server.wait_healthy(SERVER_TIMEOUT_S)
+        for n in PROMPT_LENGTHS[1:]:
+            before = adapter.read_counters(server.base_url)
+            outputs[n] = complete(server.base_url, "tiny", prompts[n], MAX_TOKENS, logprobs=2)  # type: ignore[arg-type]
+            deltas[n] = delta(before, adapter.read_counters(server.base_url))
+    finally:
+        pgid = server.pid
+        server.stop()
+    deadline = time.monotonic() + 20  # SIGKILLed workers take a moment to be reaped
+    while pgid is not None and group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return {"outputs": outputs, "deltas": deltas, "records": _read_records(run_dir / "records.jsonl"),
+            "log": (run_dir / "server.log").read_text(errors="replace"), "pgid": pgid,
+            "timings": {"healthy_s": healthy_s, "total_s": time.monotonic() - started}}
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. Lossless
+
+
+def _assert_equal_up_to_numerics(reference: dict, other: dict, what: str) -> None:
+    from wmtp.equality import equal_up_to_numerics
+
+    assert len(other["ids"]) == MAX_TOKENS, what
+    verdict = equal_up_to_numerics(reference["ids"], reference["gaps"], other["ids"], eps=EPS)
+    assert verdict.equal, f"{what}: {verdict.reason}"
+    print(f"{what}: {verdict.reason}", file=sys.stderr)
+
+
+@pytest.mark.engine
+def test_mtp_equals_none(engines):
+    out = engines["outputs"]
+    for n in PROMPT_LENGTHS:
+        _assert_equal_up_to_numerics(out[("none", f"none {n}")], out[("mtp", f"mtp {n}")], f"mtp vs none at {n}")
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("window", WINDOWS, ids=[f"S{s}-W{w}" for s, w in WINDOWS])
+def test_wmtp_equals_none_and_mtp(engines, window):
+    out = engines["outputs"]
+    for n in PROMPT_LENGTHS:
+        assert n > window[0] + window[1]
+        mine = out[(f"wmtp {window}", f"lossless {window} {n}")]
+        _assert_equal_up_to_numerics(out[("none", f"none {n}")], mine, f"wmtp {window} vs none at {n}")
+        _assert_equal_up_to_numerics(out[("mtp", f"mtp {n}")], mine, f"wmtp {window} vs mtp at {n}")
+
+
+@pytest.mark.engine
+def test_wide_open_window_is_mtp(engines):
+    """W beyond the context: the wrapper passes the metadata through, the output is mtp's exactly."""
+    out = engines["outputs"][(f"wmtp {WINDOWS[0]}", f"readset {WIDE_OPEN} False")]
+    assert out["ids"] == engines["outputs"][("mtp", f"mtp {POISON_LENGTH}")]["ids"]
+    builds = [e for e in engines["records"][f"readset {WIDE_OPEN} False"] if e["kind"] == "build"]
+    assert builds and all(e["windowed_seq_lens"] == e["seq_lens"] for e in builds)
+
+
+@pytest.mark.engine
+def test_zero_lm_head_outputs_are_identical(engines, server_run):
+    # Every logit is 0, so the greedy choice is token 0 at every step: none's and mtp's output by
+    # construction, and what wmtp must produce in process and in the server.
+    zero = [r for (name, _), r in engines["outputs"].items() if name.startswith("zero")]
+    assert len(zero) == 2 * len(PROMPT_LENGTHS[1:])
+    for result in zero:
+        assert result["ids"] == [0] * MAX_TOKENS, result["tag"]
+    for n, completion in server_run["outputs"].items():
+        assert completion.token_ids == [0] * MAX_TOKENS, n
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. Read set
+
+
+def _proposals(records: list[dict]) -> list[list[int]]:
+    return [row for entry in records if entry["kind"] == "propose" for row in entry["draft"]]
+
+
+@pytest.mark.engine
+def test_windowed_draft_reads_nothing_outside_sink_and_window(engines):
+    records, outputs, design = engines["records"], engines["outputs"], WINDOWS[0]
+
+    def run(read, poisoned):
+        tag = f"readset {read} {poisoned}"
+        entries = records[tag]
+        return (_proposals(entries), [e for e in entries if e["kind"] == "poison"],
+                outputs[(f"wmtp {design}", tag)]["ids"])
+
+    clean, _, clean_out = run(design, False)
+    dirty, poisons, dirty_out = run(design, True)
+    open_clean, _, open_clean_out = run(WIDE_OPEN, False)
+    open_dirty, open_poisons, open_dirty_out = run(WIDE_OPEN, True)
+    assert poisons and open_poisons, "nothing was poisoned: the context never outgrew the window"
+    # Same prompt and target: identical draft inputs, so any change comes from what attention read.
+    assert len(clean) == len(dirty) > 0
+    assert clean == dirty, "the windowed draft changed when KV outside sink ∪ window was poisoned"
+    changed = sum(a != b for a, b in zip(open_clean, open_dirty, strict=False))
+    assert changed > len(open_clean) // 2, f"poison invisible to a full-context draft ({changed} changed)"
+    # The target never reads the draft layer's KV: the output ignores the poison.
+    assert clean_out == dirty_out and open_clean_out == open_dirty_out
+    # With o_proj ×30 the window changes most proposals against the full-context draft.
+    differ = sum(a != b for a, b in zip(clean, open_clean, strict=False))
+    assert differ > len(clean) // 2, f"windowed proposals differ from mtp's in only {differ}/{len(clean)}"
+    print(f"read set: {len(clean)} proposals; poisoned outside sink ∪ window: 0 changed (windowed), "
+          f"{changed}/{len(open_clean)} changed (full context); windowed vs full: {differ} differ",
+          file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. Bound
+
+
+def _builds(records: dict[str, list[dict]]) -> list[dict]:
+    return [e for entries in records.values() for e in entries if e["kind"] == "build"]
+
+
+@pytest.mark.engine
+def test_draft_table_and_seq_lens_are_bounded_and_exact(engines, server_run):
+    builds = _builds(engines["records"]) + _builds(server_run["records"])
+    assert builds
+    windowed = 0
+    for b in builds:
+        sink, window, block = b["sink"], b["window"], b["block_size"]
+        assert b["table_width"] <= win.table_width_bound(b["max_query_len"], sink, window, block)
+        assert b["windowed_max_seq_len"] <= win.seq_len_bound(b["max_query_len"], sink, window, block)
+        for full, kept_ids, seq, query, length in zip(b["full_blocks"], b["windowed_blocks"], b["seq_lens"],
+                                                      b["query_lens"], b["windowed_seq_lens"], strict=True):
+            assert length == win.windowed_seq_len(seq, query, sink, window, block)
+            assert kept_ids == [full[j] for j in win.kept_blocks(seq, query, sink, window, block)]
+            windowed += length < seq
+    assert windowed > 0
+    # Draft steps after the first (one query token) get one table width at every context length.
+    for window_cfg in WINDOWS:
+        widths = {b["table_width"] for b in builds
+                  if (b["sink"], b["window"]) == window_cfg and b["max_query_len"] == 1}
+        assert len(widths) == 1, (window_cfg, widths)
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. Acceptance on the all-zero lm_head model
+
+
+def _assert_full_acceptance(d: dict, what: str) -> None:
+    assert d["drafts"] > 0, what
+    assert d["draft_tokens"] == K * d["drafts"], (what, d)
+    assert d["accepted"] == d["draft_tokens"], (what, d)
+    for pos in range(K):
+        assert d[f"accepted_pos_{pos}"] == d["drafts"], (what, pos, d)
+
+
+@pytest.mark.engine
+def test_zero_lm_head_keeps_full_acceptance(engines, server_run):
+    for (name, tag), result in engines["outputs"].items():
+        if name.startswith("zero"):
+            _assert_full_acceptance(result["counters"], tag)
+    for n, d in server_run["deltas"].items():  # from the server's /metrics
+        _assert_full_acceptance(d, f"server at {n}")
+    assert any(e["windowed_seq_lens"] != e["seq_lens"] for e in _builds(server_run["records"]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Plugin behaviour in the server's processes
+
+
+@pytest.mark.engine
+def test_server_loads_plugin_logs_once_and_leaves_nothing(server_run, engines):
+    lines = [line for line in server_run["log"].splitlines() if ACTIVE_LINE in line]
+    assert len(lines) == 1, lines
+    assert "(Worker" in lines[0] and "sink S=16, window W=128, KV block size" in lines[0]
+    from wmtp.server import group_alive
+
+    assert not group_alive(server_run["pgid"]), "the server's process group outlived the test"
+    # In process: each windowed engine logs once; none and mtp stay silent and record nothing.
+    assert engines["log"].count(ACTIVE_LINE) == len(WINDOWS) + 2
+    assert not [tag for tag in engines["records"] if tag.startswith(("none", "mtp"))]
+    print({"in_process": engines["timings"], "server": server_run["timings"]}, file=sys.stderr)

@@ -233,6 +233,14 @@ def run_cell(run: CellRun) -> Path:
                                    engine_args=spec.serve_args, model_args=model.serve_args)
     short_tmp = Path(tempfile.mkdtemp(prefix="wmtp-"))
     env = engine.server_env(spec.env, cache_dir.resolve(), short_tmp)
+    container_stop: list[str] | None = None
+    if spec.source == "container":
+        from wmtp.engines import container
+
+        argv = container.serve_command(spec, argv, model_dir=run.model_dir, work_dir=cache_dir, port=port, env=env)
+        # A Docker container outlives a killed client: remove it by name when the cell ends.
+        container_stop = container.stop_argv(spec.container_runtime or container.default_runtime(spec.image),
+                                             f"wmtp-{port}")
     server = ServerProcess(argv, env, staging / "server.log", base_url, engine.HEALTH_PATH)
     meter = open_meter(run.gpu_index)
     manifest: dict[str, Any] = {
@@ -293,6 +301,8 @@ def run_cell(run: CellRun) -> Path:
         raise
     finally:
         server.stop()
+        if container_stop:
+            subprocess.run(container_stop, capture_output=True, check=False, timeout=60)
         meter.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

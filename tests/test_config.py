@@ -19,6 +19,7 @@ def test_embedded_study_is_valid(repo):
     assert [c.cell_id for c in study.cells()] == [
         "model~tiny/engine~vllm-cpu/arm~none/c~1",
         "model~tiny/engine~vllm-cpu/arm~mtp/k~3/c~1",
+        "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~128/c~1",
     ]
 
 
@@ -29,7 +30,7 @@ def test_k_zero_on_mtp_arm(embedded_raw):
 
 def test_unknown_arm(embedded_raw):
     embedded_raw["arms"].append({"name": "eagle"})
-    check(embedded_raw, "config.arms[2].name", "'eagle'")
+    check(embedded_raw, "config.arms[3].name", "'eagle'")
 
 
 def test_unknown_engine_kind(embedded_raw):
@@ -65,7 +66,7 @@ def test_two_models_with_one_name(embedded_raw):
 
 
 def test_windowed_arm_without_sink_or_window(embedded_raw):
-    embedded_raw["arms"].append({"name": "wmtp", "k": [3], "window": [128]})
+    embedded_raw["arms"][2] = {"name": "wmtp", "k": [3], "window": [128]}
     check(embedded_raw, "arms[2].sink", "windowed arm 'wmtp'")
     embedded_raw["arms"][2] = {"name": "wmtp-ring", "k": [3], "sink": [4]}
     check(embedded_raw, "arms[2].window", "windowed arm 'wmtp-ring'")

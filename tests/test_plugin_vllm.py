@@ -381,10 +381,19 @@ for engine in spec["engines"]:
         kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": spec["k"]}
     if engine["arm"] == "wmtp":
         sink, window = engine["window"]
-        kwargs["additional_config"] = {"wmtp": {"sink": sink, "window": window, "ring": False}}
-    llm = LLM(model=engine["model"], dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
-              max_model_len=4096, max_num_batched_tokens=spec["chunk"], distributed_executor_backend="uni",
-              disable_log_stats=False, seed=0, **kwargs)
+        kwargs["additional_config"] = {"wmtp": {"sink": sink, "window": window, "ring": engine.get("ring", False)}}
+    try:
+        llm = LLM(model=engine["model"], dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
+                  max_model_len=4096, max_num_batched_tokens=spec["chunk"], distributed_executor_backend="uni",
+                  disable_log_stats=False, seed=0, **kwargs)
+    except Exception as err:
+        if not engine.get("expect_error"):
+            raise
+        timings[engine["name"]] = {"error": f"{type(err).__name__}: {err}"}
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        continue
+    assert not engine.get("expect_error"), engine["name"] + " started"
     timings[engine["name"]] = {"init_s": time.monotonic() - started}
     started = time.monotonic()
     for request in engine["requests"]:
@@ -431,6 +440,9 @@ def _engines(random_model: Path, zero_model: Path) -> list[dict]:
     for window in WINDOWS[:2]:
         engines.append({"name": f"zero {window}", "arm": "wmtp", "window": window, "model": str(zero_model),
                         "requests": [{"length": n, "tag": f"zero {window} {n}"} for n in PROMPT_LENGTHS[1:]]})
+    # Last: a configuration the plugin refuses at start-up (the ring buffer is phase 2).
+    engines.append({"name": "ring", "arm": "wmtp", "window": WINDOWS[0], "ring": True, "model": str(zero_model),
+                    "requests": [], "expect_error": True})
     return engines
 
 
@@ -666,4 +678,7 @@ def test_server_loads_plugin_logs_once_and_leaves_nothing(server_run, engines):
     # In process: each windowed engine logs once; none and mtp stay silent and record nothing.
     assert engines["log"].count(ACTIVE_LINE) == len(WINDOWS) + 2
     assert not [tag for tag in engines["records"] if tag.startswith(("none", "mtp"))]
+    # A configuration the plugin cannot honour stops the engine at start-up, naming the setting.
+    refusal = engines["timings"]["ring"]["error"]
+    assert "--additional-config wmtp.ring = true" in refusal + engines["log"], refusal
     print({"in_process": engines["timings"], "server": server_run["timings"]}, file=sys.stderr)

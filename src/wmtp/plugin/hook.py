@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from wmtp.plugin import hookpoints as hp
+from wmtp.plugin import testing
 from wmtp.plugin import window as win
 from wmtp.plugin.hookpoints import HookPointError
 
@@ -108,8 +109,6 @@ def _wrap_init(original, problem: str | None):
             raise _refuse(problem)
         _check_instance(self)
         setattr(self, STATE_ATTR, _State(config))
-        from wmtp.plugin import testing
-
         testing.install(self)
 
     setattr(__init__, _ORIGINAL, original)
@@ -121,8 +120,6 @@ def _wrap_build(original):
     def build_per_group_and_layer_attn_metadata(self, common_attn_metadata, *args, **kwargs):
         state: _State | None = getattr(self, STATE_ATTR, None)
         if state is not None:
-            from wmtp.plugin import testing
-
             config = testing.config(state.config)
             block_size = getattr(self, hp.BLOCK_SIZE_ATTR)
             if not state.logged:

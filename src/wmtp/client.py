@@ -44,7 +44,7 @@ def _token_id(token: str) -> int:
 _OPENAI_KEYS = frozenset({"id", "object", "created", "model", "choices", "usage", "system_fingerprint"})
 
 
-def complete(base_url: str, model: str, prompt: str, max_tokens: int, *, temperature: float = 0.0,
+def complete(base_url: str, model: str, prompt: str | list[int], max_tokens: int, *, temperature: float = 0.0,
              logprobs: int | None = None, ignore_eos: bool = True, timeout_s: float = 600.0,
              on_first_token: Callable[[], None] | None = None,
              client: httpx.Client | None = None, extra_body: Mapping | None = None) -> Completion:

@@ -109,11 +109,14 @@ class ServerProcess:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 log.warning("server did not stop in %.0f s; killing its process group", grace_s)
-        # Workers may outlive the leader: always sweep the group.
+        # Workers may outlive the leader: always sweep the group, and wait until it is really gone.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
         return self.proc.returncode
 
     def __enter__(self) -> ServerProcess:

@@ -127,6 +127,49 @@ def test_series_label():
     assert report.series_label({"arm": "wmtp", "k": 3, "sink": 16, "window": 128}) == "wmtp k=3 S=16 W=128"
 
 
+def test_context_tick_labels_never_collide():
+    ticks = [2048, 32768, 131072, 262144, 524288, 1_048_576]
+    # a narrow panel keeps 2K … 131K … 1M and leaves 262K and 524K as bare ticks
+    assert report.context_tick_labels(ticks, 3.0) == ["2K", "32K", "131K", "", "", "1M"]
+    assert report.context_tick_labels(ticks, 8.0) == ["2K", "32K", "131K", "262K", "524K", "1M"]
+    assert report.context_tick_labels([256, 1024], 3.0) == ["256", "1K"]
+    assert report.context_tick_labels([2040], 3.0) == ["2K"]
+
+
+def test_series_styles_one_hue_per_arm_and_distinct_shades():
+    frame = pd.DataFrame(
+        {"arm": ["none", "mtp", "mtp", "wmtp", "wmtp-ring"], "k": [0, 1, 3, 3, 3],
+         "label": ["none", "mtp k=1", "mtp k=3", "wmtp k=3 S=16 W=128", "wmtp-ring k=3 S=16 W=128"]}
+    )  # fmt: skip
+    styles = report.series_styles(frame)
+    assert set(styles) == set(frame["label"])
+    assert len({st["color"] for st in styles.values()}) == len(styles)
+    assert styles["mtp k=1"]["marker"] == styles["mtp k=3"]["marker"] != styles["none"]["marker"]
+    assert styles["wmtp-ring k=3 S=16 W=128"]["ls"] == "--"
+    assert report.series_styles(pd.DataFrame()) == {}
+
+
+def test_k_color_is_fixed_per_k_and_dodge_is_centred():
+    assert report.k_color(3) == report.k_color(3.0) != report.k_color(5)
+    assert len({report.k_color(k) for k in range(1, 7)}) == 6
+    shifts = report.dodge(3, [2040, 131290])
+    assert shifts[1] == 1.0 and shifts[0] < 1.0 < shifts[2]
+    assert shifts[0] * shifts[2] == pytest.approx(1.0)
+    assert report.dodge(1, [2040]) == [1.0]
+
+
+def test_paper_models_from_the_paper_study():
+    if not (ROOT / "config" / "studies" / "paper-1m.yaml").exists():
+        pytest.skip("config/studies/paper-1m.yaml not present")
+    paper = report.paper_models()
+    # the study names checkpoints, the replica names architectures: both meet on the config/models name
+    for name in ("Qwen3.6-35B-A3B", "Qwen3.5-122B-A10B", "NVIDIA-Nemotron-3-Super-120B-A12B", "qwen3.5-122b-a10b-fp8"):
+        assert report.canonical_model(name) in paper, name
+    assert report.canonical_model("Qwen3-Next-80B-A3B") not in paper
+    assert report.canonical_model("tiny") == "tiny"
+    assert report.paper_models(ROOT / "nope.yaml") == frozenset()
+
+
 def _plotted_columns_are_finite(section: report.Section, columns: list[str]) -> None:
     for col in columns:
         if col in section.frame.columns:
@@ -141,6 +184,13 @@ def test_report_data_full(full_tidy_dir):
         assert getattr(data, name).available, name
     assert data.replica is not None
     assert set(data.wedge.frame["source"]) == {"measured", "replica", "replica model"}
+    # small multiples: one panel per replica model, then the study's own measured panel
+    panels = list(dict.fromkeys(data.wedge.frame["panel"]))
+    assert panels[-1] == "qwen3.6-35b-a3b-nvfp4 · this study"
+    assert set(panels[:-1]) == {"qwen3.6-35b-a3b · GPU replica", "qwen3.5-122b-a10b · GPU replica"}
+    assert set(data.wedge.frame["variant"]) == {"wmtp S=16 W=128", "wmtp-ring S=16 W=128"}
+    assert data.wedge.frame["paper_model"].all()  # both replica models and the 35B checkpoint are the paper's
+    assert set(data.styles) >= set(data.decode.frame["label"])
     _plotted_columns_are_finite(data.wedge, ["wedge", "rung"])
     _plotted_columns_are_finite(data.energy, ["tok_per_j", "power_w"])
     cmp = data.published_vs_measured.frame.set_index(["quantity", "arm"])

@@ -197,6 +197,26 @@ def context_ticks(values: Sequence[float], min_ratio: float = 1.08) -> list[int]
     return ticks
 
 
+def context_tick_labels(ticks: Sequence[float], width_in: float, *, label_in: float = 0.45) -> list[str]:
+    """Labels for the ticks of a log context axis ``width_in`` inches wide: a tick closer than ``label_in``
+    inches to the previous labelled one stays a bare tick ('' label), so labels never collide. The smallest
+    and the largest tick are always labelled (2K … 131K … 1M on a narrow panel)."""
+    logs = [math.log10(t) for t in ticks]
+    if len(logs) < 2:
+        return [context_label(t) for t in ticks]
+    span = (logs[-1] - logs[0]) * 1.1 or 1.0  # the axis has some margin around its ticks
+    gap = label_in * span / max(width_in, 0.1)  # decades one label needs
+    keep = [0]
+    for i in range(1, len(logs)):
+        if logs[i] - logs[keep[-1]] >= gap:
+            keep.append(i)
+    if keep[-1] != len(logs) - 1:
+        while len(keep) > 1 and logs[-1] - logs[keep[-1]] < gap:
+            keep.pop()
+        keep.append(len(logs) - 1)
+    return [context_label(t) if i in keep else "" for i, t in enumerate(ticks)]
+
+
 def _int_or_none(value: Any) -> int | None:
     try:
         return None if value is None or pd.isna(value) else int(value)
@@ -291,6 +311,65 @@ def fmt_ci(point: float, lo: float, hi: float, digits: int = 4) -> str:
     if not (np.isfinite(lo) and np.isfinite(hi)):
         return _fmt(point, digits)
     return f"{_fmt(point, digits)} [{_fmt(lo, digits)}, {_fmt(hi, digits)}]"
+
+
+# --------------------------------------------------------------------------------------------------
+# Figure styles: the same series looks the same in every figure of a report
+# --------------------------------------------------------------------------------------------------
+
+#: Per arm: a matplotlib colormap whose shades tell that arm's series apart, and a marker.
+ARM_STYLES: dict[str, tuple[str, str]] = {
+    "none": ("Greys", "o"),
+    "mtp": ("Blues", "s"),
+    "wmtp": ("Oranges", "^"),
+    "wmtp-ring": ("Greens", "D"),
+}
+OTHER_ARM_STYLE = ("Purples", "v")
+
+
+def series_styles(frame: pd.DataFrame) -> dict[str, dict[str, Any]]:
+    """``label → {color, marker, ls}`` for every series of ``frame`` (which has ``label``, ``arm`` and the
+    series keys, e.g. the labelled overview): one hue per arm (none grey, mtp blue, wmtp orange, wmtp-ring
+    green), darker shades for larger k within an arm, one marker per arm, wmtp-ring dashed."""
+    import matplotlib as mpl
+
+    if frame.empty or "label" not in frame.columns:
+        return {}
+    sort = [c for c in ("k", "sink", "window", "model", "engine", "concurrency") if c in frame.columns]
+    styles: dict[str, dict[str, Any]] = {}
+    for arm, group in frame.groupby("arm", sort=False, dropna=False):
+        cmap_name, marker = ARM_STYLES.get(str(arm), OTHER_ARM_STYLE)
+        labels = list(dict.fromkeys(group.sort_values(sort, na_position="first", kind="stable")["label"]))
+        shades = [0.7] if len(labels) == 1 else np.linspace(0.5, 0.95, len(labels))
+        cmap = mpl.colormaps[cmap_name]
+        for label, shade in zip(labels, shades, strict=True):
+            styles[label] = {
+                "color": mpl.colors.to_hex(cmap(float(shade))),
+                "marker": marker,
+                "ls": "--" if arm == "wmtp-ring" else "-",
+            }
+    return styles
+
+
+def k_color(k: Any) -> str:
+    """The colour of draft depth ``k`` wherever k is the colour (the wedge): an ordinal palette fixed
+    across reports (plasma: k=1 dark blue … k=3 magenta … k=5 orange)."""
+    import matplotlib as mpl
+
+    ki = _int_or_none(k) or 1
+    return mpl.colors.to_hex(mpl.colormaps["plasma"](min(0.85, 0.18 * (max(ki, 1) - 1))))
+
+
+def dodge(n: int, rungs: Sequence[float], *, frac: float = 0.012, total: float = 0.05) -> list[float]:
+    """Multipliers that spread ``n`` series sideways on a log context axis so that equal points and error
+    bars stay visible: each step is ``frac`` of the axis width (at most ``total`` for all steps)."""
+    if n <= 1:
+        return [1.0] * max(n, 0)
+    values = [float(r) for r in rungs if r and not pd.isna(r)]
+    decades = math.log10(max(values) / min(values)) if values and min(values) > 0 else 0.0
+    decades = decades or 0.6  # one rung: a sensible axis width
+    step = min(frac, total / (n - 1)) * decades
+    return [10 ** (step * (i - (n - 1) / 2)) for i in range(n)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -515,17 +594,67 @@ def paper_claim(published: pd.DataFrame) -> dict[str, float] | None:
     return {"rung": float(r["rung"]), "lo": float(r["lo"]) - 1.0, "hi": float(r["hi"]) - 1.0}
 
 
-def wedge_section(tidy: Tidy, replica: pd.DataFrame | None, **boot: Any) -> Section:
+PAPER_STUDY_CONFIG = REPO_ROOT / "config" / "studies" / "paper-1m.yaml"
+
+
+def canonical_model(name: Any, models_dir: Path | str | None = None) -> str:
+    """A model's name as its config/models file spells it, lower-cased, so that a study's checkpoint name
+    and the replica's name meet: 'qwen3.5-122b-a10b-fp8' and 'Qwen3.5-122B-A10B' → 'qwen3.5-122b-a10b'.
+    The name itself, lower-cased, when no file matches."""
+    lowered = str(name).lower()
+    path = model_file(lowered, models_dir)
+    if path is None:
+        return lowered
+    try:
+        return str(json.loads(path.read_text())["name"]).lower()
+    except (OSError, ValueError, KeyError):
+        return path.stem
+
+
+def paper_models(study_config: Path | str | None = None, models_dir: Path | str | None = None) -> frozenset[str]:
+    """The paper's models (its 1M study's ``models``, as :func:`canonical_model` names); empty when that
+    config is absent. The paper's cost-side claim is drawn only next to these models."""
+    import yaml
+
+    path = Path(study_config) if study_config else PAPER_STUDY_CONFIG
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return frozenset()
+    models = (config.get("models") or []) if isinstance(config, dict) else []
+    return frozenset(
+        canonical_model(m["name"], models_dir) for m in models if isinstance(m, dict) and m.get("name") is not None
+    )
+
+
+def wedge_section(
+    tidy: Tidy, replica: pd.DataFrame | None, paper: frozenset[str] | set[str] | None = None, **boot: Any
+) -> Section:
     """The paper's Fig. 3 wedge, step_nat/step_win − 1 vs context, from the windowed arms and the replica.
 
-    Columns: source ('measured' | 'replica' | 'replica model'), label, rung, wedge, wedge_lo, wedge_hi.
+    Columns: source ('measured' | 'replica' | 'replica model'), label, model, arm, k, sink, window, rung,
+    context, wedge, wedge_lo, wedge_hi, and for small multiples: ``panel`` (one per model and kind:
+    '<model> · GPU replica' or '<model> · this study'), ``variant`` (the series without its k, which is
+    the colour: 'wmtp S=64 W=4032'), ``paper_model`` (the paper measured this model, see
+    :func:`paper_models`; default: the paper's study config). Rows come panel by panel: replica panels
+    of the paper's models first, then other replica models, then this study's measured panels.
     """
+    paper = paper_models() if paper is None else frozenset(paper)
     parts = []
     notes = []
     if tidy.has_windowed:
         measured = an.cost_side_table(tidy.rungs, tidy.requests, **boot)
         if not measured.empty:
             measured = add_labels(measured, tidy.rungs)
+            varies = {
+                c: c in tidy.rungs.columns and tidy.rungs[c].nunique(dropna=False) > 1
+                for c in ("engine", "concurrency")
+            }
+            measured["variant"] = [
+                series_label({**r, "k": None}, with_engine=varies["engine"], with_concurrency=varies["concurrency"])
+                for r in measured.to_dict("records")
+            ]
+            measured["panel"] = [f"{m} · this study" for m in measured["model"]]
             parts.append(measured.assign(source="measured"))
         else:
             notes.append("the windowed arms share no (k, rung) with an mtp arm: no measured wedge")
@@ -539,11 +668,16 @@ def wedge_section(tidy: Tidy, replica: pd.DataFrame | None, **boot: Any) -> Sect
         rep["context"] = [context_label(c) for c in rep["rung"]]
         backends = rep["backend"] if "backend" in rep.columns else pd.Series([None] * len(rep), index=rep.index)
         several = backends.nunique(dropna=True) > 1
+        rep["variant"] = [
+            series_label({"arm": "wmtp", "sink": sk, "window": w}) + (f" [{b}]" if several and b is not None else "")
+            for sk, w, b in zip(rep["sink"], rep["window"], backends, strict=True)
+        ]
         rep["label"] = [
             f"replica {m} {series_label({'arm': 'wmtp', 'k': k, 'sink': sk, 'window': w})}"
             + (f" [{b}]" if several and b is not None else "")
             for m, k, sk, w, b in zip(rep["model"], rep["k"], rep["sink"], rep["window"], backends, strict=True)
         ]
+        rep["panel"] = [f"{m} · GPU replica" for m in rep["model"]]
         parts.append(rep.assign(source="replica"))
         if "predicted_ratio" in rep.columns and pd.to_numeric(rep["predicted_ratio"], errors="coerce").notna().any():
             pred = rep.copy()
@@ -559,9 +693,15 @@ def wedge_section(tidy: Tidy, replica: pd.DataFrame | None, **boot: Any) -> Sect
     for col in ("wedge_lo", "wedge_hi"):
         if col not in frame.columns:
             frame[col] = np.nan
+    frame["paper_model"] = [canonical_model(m) in paper for m in frame["model"]]
+    frame = frame.assign(_measured=frame["source"] == "measured", _other=~frame["paper_model"], _model=frame["model"])
+    frame = frame.sort_values(["_measured", "_other", "_model"], kind="stable")
     keep = [
         "source",
+        "panel",
+        "paper_model",
         "label",
+        "variant",
         "model",
         "arm",
         "k",
@@ -1111,6 +1251,7 @@ class ReportData:
     prefill: Section
     wedge: Section
     paper_claim: dict[str, float] | None
+    styles: dict[str, dict[str, Any]]
     published_vs_measured: Section
     costmodel: Section
 
@@ -1129,12 +1270,13 @@ def load_report_data(
     published = load_published(published_dir)
     replica = load_replica(replica_path or default_replica_path(tidy_dir))
     boot = {"n_boot": n_boot, "seed": seed}
+    ov = overview(tidy)
     return ReportData(
         study=study,
         tidy=tidy,
         published=published,
         replica=replica,
-        overview=overview(tidy),
+        overview=ov,
         decode=decode_section(tidy, **boot),
         speedup=speedup_section(tidy, **boot),
         speedup_change=speedup_change_section(tidy, **boot),
@@ -1144,8 +1286,9 @@ def load_report_data(
         positions=positions_section(tidy),
         energy=energy_section(tidy, **boot),
         prefill=prefill_section(tidy, **boot),
-        wedge=wedge_section(tidy, replica, **boot),
+        wedge=wedge_section(tidy, replica, paper_models(), **boot),
         paper_claim=paper_claim(published),
+        styles=series_styles(add_labels(ov, tidy.rungs)),
         published_vs_measured=published_comparison(tidy, published, study, **boot),
         costmodel=costmodel_section(tidy),
     )

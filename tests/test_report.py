@@ -136,12 +136,25 @@ def test_context_tick_labels_never_collide():
     assert report.context_tick_labels([2040], 3.0) == ["2K"]
 
 
+def test_add_labels_facets_by_model_where_it_varies():
+    frame = pd.DataFrame(
+        {"model": ["a", "a", "b"], "engine": ["vllm"] * 3, "arm": ["none", "mtp", "mtp"], "k": [0, 3, 3],
+         "sink": [None] * 3, "window": [None] * 3, "concurrency": [1, 2, 1], "rung": [2040] * 3}
+    )  # fmt: skip
+    out = report.add_labels(frame)
+    assert list(out["facet"]) == ["a", "a", "b"]
+    assert list(out["series"]) == ["none (c=1)", "mtp k=3 (c=2)", "mtp k=3 (c=1)"]
+    assert out["label"].iloc[2] == "mtp k=3 (b, c=1)"
+    one = report.add_labels(frame[frame["model"] == "a"].assign(concurrency=1))
+    assert set(one["facet"]) == {""} and list(one["series"]) == list(one["label"]) == ["none", "mtp k=3"]
+
+
 def test_series_styles_one_hue_per_arm_and_distinct_shades():
     frame = pd.DataFrame(
         {"arm": ["none", "mtp", "mtp", "wmtp", "wmtp-ring"], "k": [0, 1, 3, 3, 3],
          "label": ["none", "mtp k=1", "mtp k=3", "wmtp k=3 S=16 W=128", "wmtp-ring k=3 S=16 W=128"]}
     )  # fmt: skip
-    styles = report.series_styles(frame)
+    styles = report.series_styles(frame, key="label")
     assert set(styles) == set(frame["label"])
     assert len({st["color"] for st in styles.values()}) == len(styles)
     assert styles["mtp k=1"]["marker"] == styles["mtp k=3"]["marker"] != styles["none"]["marker"]
@@ -190,7 +203,8 @@ def test_report_data_full(full_tidy_dir):
     assert set(panels[:-1]) == {"qwen3.6-35b-a3b · GPU replica", "qwen3.5-122b-a10b · GPU replica"}
     assert set(data.wedge.frame["variant"]) == {"wmtp S=16 W=128", "wmtp-ring S=16 W=128"}
     assert data.wedge.frame["paper_model"].all()  # both replica models and the 35B checkpoint are the paper's
-    assert set(data.styles) >= set(data.decode.frame["label"])
+    assert set(data.styles) >= set(data.decode.frame["series"])
+    assert set(data.decode.frame["facet"]) == {""}  # one model, one engine: one panel per figure
     _plotted_columns_are_finite(data.wedge, ["wedge", "rung"])
     _plotted_columns_are_finite(data.energy, ["tok_per_j", "power_w"])
     cmp = data.published_vs_measured.frame.set_index(["quantity", "arm"])

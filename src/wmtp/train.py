@@ -68,7 +68,7 @@ class Budget:
     """How much training; the default is the committed fixture's budget."""
 
     target_steps: int = 320
-    mtp_steps: int = 140
+    mtp_steps: int = 200
     batch: int = 8
     seq_len: int = 512
     lr: float = 3e-3

@@ -1,5 +1,6 @@
 # Load and validate the study before anything runs; path helpers shared by every rule file.
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -50,6 +51,15 @@ def engine_hash(engine_name):
 
 def engine_python_of(engine_name):
     return engine_python(STUDY.engine(engine_name), ENGINES / engine_name)
+
+
+TRAINED_FIXTURE = Path(workflow.basedir) / "tests" / "fixtures" / "tiny-trained"
+
+
+def generated_names(kind):
+    """A wildcard pattern matching only the models generated as ``kind`` (never matches if none)."""
+    names = [m.name for m in STUDY.models if m.generate == kind]
+    return "|".join(re.escape(n) for n in names) if names else "(?!)"
 
 
 def tiny_builder_engine():

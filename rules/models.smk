@@ -1,20 +1,6 @@
 # Models that the pipeline generates: the tiny hybrid MTP checkpoint of the embedded default, with
 # random weights (generate: tiny) or trained (generate: trained: the committed fixture, checked
 # against its hashes; rule train_tiny retrains it from scratch).
-import re
-
-TRAINED_FIXTURE = Path(workflow.basedir) / "tests" / "fixtures" / "tiny-trained"
-
-
-def tiny_builder_engine():
-    # The builder needs torch and transformers: the first engine environment of the study has them.
-    return STUDY.engines[0].name
-
-
-def generated_names(kind):
-    """A wildcard pattern matching only the models generated as ``kind`` (never matches if none)."""
-    names = [m.name for m in STUDY.models if m.generate == kind]
-    return "|".join(re.escape(n) for n in names) if names else "(?!)"
 
 
 rule tiny_model:
@@ -32,6 +18,8 @@ rule tiny_model:
         python=lambda wc: engine_python_of(tiny_builder_engine()),
         seed=lambda wc: STUDY.model(wc.model).seed,
         out=lambda wc: MODELS / wc.model,
+    conda:
+        "../envs/pipeline.yaml"
     shell:
         "{params.python} -m wmtp.tiny --out {params.out} --seed {params.seed} > {log} 2>&1"
 
@@ -49,11 +37,14 @@ rule trained_model:
     log:
         MODELS / "{model}.log",
     params:
+        py=PY,
         seed=lambda wc: STUDY.model(wc.model).seed,
         out=lambda wc: MODELS / wc.model,
         fixture=TRAINED_FIXTURE,
+    conda:
+        "../envs/pipeline.yaml"
     shell:
-        "{PY} -m wmtp.train install --fixture {params.fixture} --out {params.out} --seed {params.seed} > {log} 2>&1"
+        "{params.py} -m wmtp.train install --fixture {params.fixture} --out {params.out} --seed {params.seed} > {log} 2>&1"
 
 
 # Retrains the committed checkpoint from scratch on this CPU (about 15 min on two cores); not part of
@@ -74,5 +65,7 @@ rule train_tiny:
         python=lambda wc: engine_python_of(tiny_builder_engine()),
         seed=lambda wc: STUDY.model(wc.model).seed,
         out=lambda wc: MODELS / f"{wc.model}.train",
+    conda:
+        "../envs/pipeline.yaml"
     shell:
         "nice -n 10 {params.python} -m wmtp.train train --out {params.out} --seed {params.seed} > {log} 2>&1"

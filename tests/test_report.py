@@ -364,3 +364,52 @@ def test_render_from_real_raw_cells(tmp_path, raw_dir: Path | None):
     assert {"decode_tok_s", "cycle_ms", "ttft_s", "prefill_tok_s"} <= {p.stem for p in pngs}
     assert html.count("<img") == len(pngs)
     assert "Traceback" not in html
+
+
+@pytest.fixture(scope="module")
+def two_workload_tidy_dir(tmp_path_factory, make_tidy) -> Path:
+    """The Spark-shaped tables measured twice: on code prompts, and on the copy task where every decode is
+    10 % slower and the windowed drafts accept half as much."""
+    frames = make_tidy.build("spark-128k")
+    copy = {name: frame.assign(workload="copy") for name, frame in frames.items()}
+    copy["requests"]["decode_tok_s"] *= 0.9
+    windowed = copy["rungs"]["arm"].isin(["wmtp", "wmtp-ring"])
+    for col in ("d_accepted",):
+        copy["rungs"].loc[windowed, col] = (copy["rungs"].loc[windowed, col] * 0.5).round()
+    out = tmp_path_factory.mktemp("workloads") / "results" / "spark-128k" / "tidy"
+    out.mkdir(parents=True)
+    for name, frame in frames.items():
+        pd.concat([frame.assign(workload="code"), copy[name]], ignore_index=True).to_parquet(
+            out / f"{name}.parquet", index=False)
+    return out
+
+
+def test_workloads_are_separate_series_matched_to_their_own_baseline(two_workload_tidy_dir):
+    data = report.load_report_data("spark-128k", two_workload_tidy_dir, PUBLISHED, n_boot=300)
+    speedup = data.speedup.frame
+    assert set(speedup["workload"]) == {"code", "copy"}
+    both = speedup.pivot_table(index=["arm", "rung"], columns="workload", values="speedup")
+    # copy's requests are uniformly 10 % slower, its none arm too: the speedups are the same
+    assert both["copy"].to_numpy() == pytest.approx(both["code"].to_numpy(), rel=1e-9)
+    assert set(data.acceptance.frame["facet"]) == {"code prompts", "copy task (repeats a far-back passage)"}
+    acc = data.acceptance.frame.pivot_table(index=["arm", "rung"], columns="workload", values="acceptance_rate")
+    assert (acc.loc["wmtp", "copy"] < 0.6 * acc.loc["wmtp", "code"]).all()
+    assert (acc.loc["mtp", "copy"] == acc.loc["mtp", "code"]).all()
+    shown = report.acceptance_display(data.acceptance)
+    assert list(shown.columns[:2]) == ["workload", "series"] and len(shown) == 2 * 3
+    assert shown.iloc[0]["workload"] == "code prompts"
+    # the measured wedge gets a panel per workload; published numbers are matched on code prompts only
+    assert {p for p in data.wedge.frame["panel"] if "this study" in p} == {
+        "qwen3.6-35b-a3b-nvfp4 · this study · code prompts",
+        "qwen3.6-35b-a3b-nvfp4 · this study · copy task (repeats a far-back passage)"}
+    cmp = data.published_vs_measured.frame
+    cyc = cmp[cmp["quantity"] == "cycle_ms"]
+    assert (cyc["relative_difference"].abs() < 0.01).all()
+
+
+def test_acceptance_display_without_workloads(full_tidy_dir):
+    data = report.load_report_data("spark-128k", full_tidy_dir, PUBLISHED, n_boot=200)
+    shown = report.acceptance_display(data.acceptance)
+    assert list(shown.columns) == ["series", "2K", "32K", "131K"], list(shown.columns)
+    mtp = shown[shown["series"] == "mtp k=3"].iloc[0]
+    assert mtp["2K"].endswith("(3.36)") and mtp["2K"].startswith("78.")

@@ -44,3 +44,21 @@ def test_converge_or_fail():
     assert len(encode(exact_length_text(encode, decode, "x" * 400, 10))) == 10
     with pytest.raises(PromptLengthError, match="exactly 11"):
         exact_length_text(encode, decode, "x" * 400, 11)
+
+
+def test_workload_prompts_have_exact_lengths_and_copy_repeats_a_far_passage(tiny_tokenizer):
+    from wmtp.workload import COPY_MIN_TOKENS, copy_task_prompt, workload_prompt
+
+    factory = PromptFactory(tiny_tokenizer)
+    for n in (COPY_MIN_TOKENS, 4096):
+        code = workload_prompt(factory, "code", n, 0, salt=f"measure/{n}")
+        copy = workload_prompt(factory, "copy", n, 0, salt=f"measure/{n}")
+        assert len(factory.encode(code)) == len(factory.encode(copy)) == n
+        assert code != copy
+        task = copy_task_prompt(factory, n, 0, salt=f"measure/{n}/copy")
+        assert task.text == copy
+        cue = copy[-200:].strip()[-60:]
+        assert copy.count(cue) == 2, "the prompt ends by starting to repeat a passage that appeared before"
+        assert task.distance(n) >= n - 600
+    with pytest.raises(ValueError, match="unknown workload 'chat'"):
+        workload_prompt(factory, "chat", 1024, 0, salt="x")

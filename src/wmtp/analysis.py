@@ -25,10 +25,10 @@ import pandas as pd
 
 Statistic = Literal["median", "mean"]
 
-#: One line in a chart: everything that identifies a server configuration except the rung.
-SERIES_KEYS: tuple[str, ...] = ("model", "engine", "arm", "k", "sink", "window", "concurrency")
+#: One line in a chart: everything that identifies a server configuration, and the workload, except the rung.
+SERIES_KEYS: tuple[str, ...] = ("model", "engine", "arm", "k", "sink", "window", "concurrency", "workload")
 #: What a drafting arm is compared with the no-draft arm on (plus the rung).
-MATCH_KEYS: tuple[str, ...] = ("model", "engine", "concurrency")
+MATCH_KEYS: tuple[str, ...] = ("model", "engine", "concurrency", "workload")
 BASE_ARM = "none"
 NATIVE_ARM = "mtp"
 WINDOWED_ARMS: tuple[str, ...] = ("wmtp", "wmtp-ring")
@@ -676,7 +676,7 @@ def position_table(positions: pd.DataFrame, rungs: pd.DataFrame | None = None) -
         return pd.DataFrame()
     out = positions.copy()
     if rungs is not None and not rungs.empty:
-        keys = [c for c in ("cell_id", "rung") if c in out.columns and c in rungs.columns]
+        keys = [c for c in ("cell_id", "workload", "rung") if c in out.columns and c in rungs.columns]
         drafts = rungs[[*keys, "d_drafts"]].drop_duplicates(keys)
         out = out.merge(drafts, on=keys, how="left")
         out["rate"] = [position_rate(a, d) for a, d in zip(out["d_accepted_pos"], out["d_drafts"], strict=True)]

@@ -30,7 +30,7 @@ from wmtp.config import REPO_ROOT, Cell, Study
 from wmtp.engines import adapter
 from wmtp.power import EnergyWindow, PowerMeter, open_meter
 from wmtp.server import ServerProcess, free_port
-from wmtp.workload import PromptFactory
+from wmtp.workload import PromptFactory, workload_prompt
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +77,11 @@ class CellRun:
         return self.study.protocol
 
 
-def _request_row(cell: Cell, rung: int, repeat: int, slot: int, warmup: bool, result: Completion,
+def _request_row(cell: Cell, workload: str, rung: int, repeat: int, slot: int, warmup: bool, result: Completion,
                  prefill: EnergyWindow | None, decode: EnergyWindow | None) -> dict[str, Any]:
     return {
-        "cell_id": cell.cell_id, "rung": rung, "repeat": repeat, "slot": slot, "warmup": warmup,
+        "cell_id": cell.cell_id, "workload": workload, "rung": rung, "repeat": repeat, "slot": slot,
+        "warmup": warmup,
         "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
         "ttft_s": result.ttft_s, "decode_s": result.decode_s, "e2e_s": result.e2e_s,
         "started_at": result.started_at, "finish_reason": result.finish_reason,
@@ -98,8 +99,8 @@ def _top2_gap(top: dict[int, float]) -> float:
     return best[0] - best[1] if len(best) > 1 else float("inf")
 
 
-def _measure(run: CellRun, meter: PowerMeter, base_url: str, served: str, prompts: list[str], rung: int,
-             repeat: int, max_tokens: int, warmup: bool, client: httpx.Client) -> list[dict[str, Any]]:
+def _measure(run: CellRun, meter: PowerMeter, base_url: str, served: str, prompts: list[str], workload: str,
+             rung: int, repeat: int, max_tokens: int, warmup: bool, client: httpx.Client) -> list[dict[str, Any]]:
     """One repeat: ``len(prompts)`` concurrent requests. Energy windows per request at concurrency 1."""
     per_request_windows = len(prompts) == 1 and not warmup and meter.available
     engine = adapter(run.study.engine(run.cell.engine).kind)
@@ -107,7 +108,7 @@ def _measure(run: CellRun, meter: PowerMeter, base_url: str, served: str, prompt
     windows: list[tuple[EnergyWindow | None, EnergyWindow | None]] = [(None, None)] * len(prompts)
 
     def one(slot: int) -> None:
-        name = f"rung{rung}/rep{repeat}/slot{slot}"
+        name = f"{workload}/rung{rung}/rep{repeat}/slot{slot}"
         prefill_w: list[EnergyWindow] = []
 
         def first_token() -> None:
@@ -129,7 +130,7 @@ def _measure(run: CellRun, meter: PowerMeter, base_url: str, served: str, prompt
             results[slot] = err
 
     threads = [threading.Thread(target=one, args=(slot,), daemon=True) for slot in range(len(prompts))]
-    repeat_window = f"rung{rung}/rep{repeat}/all"
+    repeat_window = f"{workload}/rung{rung}/rep{repeat}/all"
     if meter.available and not warmup and len(prompts) > 1:
         meter.begin_window(repeat_window)
     for t in threads:
@@ -145,14 +146,48 @@ def _measure(run: CellRun, meter: PowerMeter, base_url: str, served: str, prompt
         assert result is not None
         if not warmup and result.prompt_tokens != rung:
             raise PromptLengthMismatch(
-                f"rung {rung}: the server counted {result.prompt_tokens} prompt tokens, not {rung}; the "
+                f"rung {rung} ({workload}): the server counted {result.prompt_tokens} prompt tokens, not {rung}; the "
                 "pipeline's tokenizer disagrees with the server's (wrong tokenizer.json, or a chat template?)")
         prefill_w, decode_w = windows[slot]
         run.windows += [w for w in (prefill_w, decode_w) if w is not None]
-        rows.append(_request_row(run.cell, rung, repeat, slot, warmup, result, prefill_w, decode_w))
+        rows.append(_request_row(run.cell, workload, rung, repeat, slot, warmup, result, prefill_w, decode_w))
         if hasattr(engine, "request_fields"):  # per-request spec-decode counts (SGLang)
             rows[-1].update(engine.request_fields(result.extensions))
     return rows
+
+
+def _sweep_rung(run: CellRun, meter: PowerMeter, base_url: str, served: str, factory: PromptFactory, engine: Any,
+                client: httpx.Client, workload: str, rung: int, repeats: int) -> None:
+    """Every repeat of one (workload, rung), between two snapshots of the engine's counters."""
+    protocol, c = run.protocol, run.cell.concurrency
+    where = f"rung {rung}" if workload == "code" else f"rung {rung} ({workload})"
+    log.info("%s: building %d prompt(s) of %d tokens", where, repeats * c, rung)
+    prompts = [[workload_prompt(factory, workload, rung, rep * c + slot, salt=f"measure/{rung}") for slot in range(c)]
+               for rep in range(repeats)]
+    before = engine.read_counters(base_url)
+    t_before = time.time()
+    rung_window = f"{workload}/rung{rung}"
+    if meter.available:
+        meter.begin_window(rung_window)
+    for rep in range(repeats):
+        rows = _measure(run, meter, base_url, served, prompts[rep], workload, rung, rep, protocol.output_tokens,
+                        False, client)
+        run.rows += rows
+        tok_s = [(r["completion_tokens"] - 1) / r["decode_s"] for r in rows if r["decode_s"] > 0]
+        log.info("%s repeat %d/%d: ttft %.2f s, decode %.1f tok/s", where, rep + 1, repeats,
+                 rows[0]["ttft_s"], sum(tok_s) / max(len(tok_s), 1))
+    if meter.available:
+        run.windows.append(meter.end_window(rung_window))
+    after = engine.read_counters(base_url)
+    t_after = time.time()
+    if hasattr(engine, "counters_from_requests"):  # server counters cannot be differenced (SGLang)
+        measured = [r for r in run.rows if r["rung"] == rung and r["workload"] == workload and not r["warmup"]]
+        after = {**after, **engine.counters_from_requests(measured, run.cell.arm, run.cell.k)}
+    d = counters_mod.delta(before, after)
+    for name in sorted(set(before) | set(after)):
+        run.counter_rows.append({"cell_id": run.cell.cell_id, "workload": workload, "rung": rung, "counter": name,
+                                 "before": before.get(name, 0.0), "after": after.get(name, 0.0),
+                                 "delta": d[name], "before_at": t_before, "after_at": t_after})
 
 
 def _sweep(run: CellRun, meter: PowerMeter, base_url: str, served: str, factory: PromptFactory) -> None:
@@ -165,36 +200,12 @@ def _sweep(run: CellRun, meter: PowerMeter, base_url: str, served: str, factory:
         for i in range(protocol.warmup_requests):
             prompt = factory.prompt(protocol.warmup_prompt_tokens, i, salt="warmup")
             log.info("warm-up %d/%d", i + 1, protocol.warmup_requests)
-            run.rows += _measure(run, meter, base_url, served, [prompt], protocol.warmup_prompt_tokens, i,
+            run.rows += _measure(run, meter, base_url, served, [prompt], "code", protocol.warmup_prompt_tokens, i,
                                  protocol.warmup_output_tokens, True, client)
+        # Workloads interleave within a rung so that their comparison is not confounded by drift over the sweep.
         for rung, repeats in zip(protocol.rungs, protocol.repeats, strict=True):
-            log.info("rung %d tokens: building %d prompt(s)", rung, repeats * c)
-            prompts = [[factory.prompt(rung, rep * c + slot, salt=f"measure/{rung}") for slot in range(c)]
-                       for rep in range(repeats)]
-            before = engine.read_counters(base_url)
-            t_before = time.time()
-            rung_window = f"rung{rung}"
-            if meter.available:
-                meter.begin_window(rung_window)
-            for rep in range(repeats):
-                rows = _measure(run, meter, base_url, served, prompts[rep], rung, rep, protocol.output_tokens,
-                                False, client)
-                run.rows += rows
-                tok_s = [(r["completion_tokens"] - 1) / r["decode_s"] for r in rows if r["decode_s"] > 0]
-                log.info("rung %d repeat %d/%d: ttft %.2f s, decode %.1f tok/s", rung, rep + 1, repeats,
-                         rows[0]["ttft_s"], sum(tok_s) / max(len(tok_s), 1))
-            if meter.available:
-                run.windows.append(meter.end_window(rung_window))
-            after = engine.read_counters(base_url)
-            t_after = time.time()
-            if hasattr(engine, "counters_from_requests"):  # server counters cannot be differenced (SGLang)
-                measured = [r for r in run.rows if r["rung"] == rung and not r["warmup"]]
-                after = {**after, **engine.counters_from_requests(measured, run.cell.arm, run.cell.k)}
-            d = counters_mod.delta(before, after)
-            for name in sorted(set(before) | set(after)):
-                run.counter_rows.append({"cell_id": run.cell.cell_id, "rung": rung, "counter": name,
-                                         "before": before.get(name, 0.0), "after": after.get(name, 0.0),
-                                         "delta": d[name], "before_at": t_before, "after_at": t_after})
+            for workload in protocol.workloads:
+                _sweep_rung(run, meter, base_url, served, factory, engine, client, workload, rung, repeats)
     finally:
         client.close()
 

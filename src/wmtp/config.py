@@ -17,6 +17,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from wmtp.workload import COPY_LEAD_TOKENS, COPY_MIN_TOKENS, COPY_PASSAGE_TOKENS
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "config" / "schemas" / "config.schema.yaml"
 
@@ -84,7 +86,8 @@ class ProtocolSpec(_Strict):
     health_timeout_s: float = 900.0
     request_timeout_s: float = 3600.0
     idle_baseline_s: float = 0.0
-    workload: Literal["code"] = "code"
+    # Every rung is measured once per workload: plain code, and the copy task (far-back passage).
+    workloads: list[Literal["code", "copy"]] = Field(default_factory=lambda: ["code"])
     # Ask for token ids and top-2 logprobs of every generated token (for equality tests; adds overhead).
     record_tokens: bool = False
 
@@ -262,6 +265,7 @@ def _semantic_checks(raw: Mapping[str, Any], base_dir: Path) -> None:
             key = f"protocol.repeats[{j}]" if isinstance(repeats, list) else "protocol.repeats"
             raise ConfigError(f"config: {key} must be ≥ 1 (got {rep})")
     out_tokens = protocol.get("output_tokens", 256)
+    workloads = protocol.get("workloads", ["code"])
     for j, rung in enumerate(rungs):
         if rung <= 0:
             raise ConfigError(f"config: protocol.rungs[{j}] must be > 0 (got {rung})")
@@ -270,6 +274,12 @@ def _semantic_checks(raw: Mapping[str, Any], base_dir: Path) -> None:
                 raise ConfigError(
                     f"config: protocol.rungs[{j}] = {rung} plus {out_tokens} output tokens does not fit "
                     f"below models[{i}].max_model_len = {model['max_model_len']} (model {model['name']!r})")
+    for j, rung in enumerate(rungs):
+        if "copy" in workloads and rung < COPY_MIN_TOKENS:
+            raise ConfigError(
+                f"config: protocol.rungs[{j}] = {rung} is too short for the copy workload (a {COPY_LEAD_TOKENS}-"
+                f"token lead-in, a {COPY_PASSAGE_TOKENS}-token passage and its cue need ≥ {COPY_MIN_TOKENS} "
+                f"tokens); raise the rung or drop 'copy' from protocol.workloads")
 
 
 def study_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".") -> Study:

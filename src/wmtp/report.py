@@ -230,8 +230,9 @@ def series_label(
     with_model: bool = False,
     with_engine: bool = False,
     with_concurrency: bool = False,
+    with_workload: bool = False,
 ) -> str:
-    """'none', 'mtp k=3', 'wmtp k=3 S=16 W=128' (+ model / engine / concurrency when they vary)."""
+    """'none', 'mtp k=3', 'wmtp k=3 S=16 W=128' (+ model / engine / concurrency / workload when they vary)."""
     parts = [str(row.get("arm"))]
     k = _int_or_none(row.get("k"))
     if k:
@@ -247,6 +248,8 @@ def series_label(
         extra.append(str(row.get("engine")))
     if with_concurrency:
         extra.append(f"c={row.get('concurrency')}")
+    if with_workload:
+        extra.append(str(row.get("workload")))
     return f"{label} ({', '.join(extra)})" if extra else label
 
 
@@ -255,12 +258,14 @@ def add_labels(frame: pd.DataFrame, reference: pd.DataFrame | None = None) -> pd
 
     Model/engine/concurrency appear in ``label`` only when they vary in ``reference`` (default: the frame
     itself). Figures draw one panel per ``facet`` (the model, and the engine, where they vary; '' when
-    they do not) and name a line by ``series``: the label without what the facet already says.
+    they do not; and the workload where there are several) and name a line by ``series``: the label
+    without what the facet already says.
     """
     if frame.empty:
         return frame
     ref = frame if reference is None else reference
-    varies = {c: c in ref.columns and ref[c].nunique(dropna=False) > 1 for c in ("model", "engine", "concurrency")}
+    varies = {c: c in ref.columns and ref[c].nunique(dropna=False) > 1
+              for c in ("model", "engine", "concurrency", "workload")}
     out = frame.copy()
     records = out.to_dict("records")
     out["label"] = [
@@ -269,22 +274,30 @@ def add_labels(frame: pd.DataFrame, reference: pd.DataFrame | None = None) -> pd
             with_model=varies["model"],
             with_engine=varies["engine"],
             with_concurrency=varies["concurrency"],
+            with_workload=varies["workload"] and "workload" in out.columns,
         )
         for r in records
     ]
-    facet_keys = [c for c in ("model", "engine") if varies[c]]
-    out["facet"] = [" · ".join(str(r.get(c)) for c in facet_keys) for r in records]
+    facet_keys = [c for c in ("model", "engine", "workload") if varies[c] and c in out.columns]
+    out["facet"] = [" · ".join(_facet_value(c, r.get(c)) for c in facet_keys) for r in records]
     out["series"] = [series_label(r, with_concurrency=varies["concurrency"]) for r in records]
     if "rung" in out.columns:
         out["context"] = [context_label(r) for r in out["rung"]]
     return out
 
 
+WORKLOAD_LABELS = {"code": "code prompts", "copy": "copy task (repeats a far-back passage)"}
+
+
+def _facet_value(key: str, value: Any) -> str:
+    return WORKLOAD_LABELS.get(str(value), str(value)) if key == "workload" else str(value)
+
+
 def _arm_order(frame: pd.DataFrame) -> pd.DataFrame:
     order = {a: i for i, a in enumerate(("none", "mtp", "wmtp", "wmtp-ring"))}
     keys = [
         c
-        for c in ("arm", "k", "sink", "window", "model", "engine", "concurrency", "rung", "position")
+        for c in ("arm", "k", "sink", "window", "model", "engine", "concurrency", "workload", "rung", "position")
         if c in frame.columns
     ]
     out = frame.assign(_arm_rank=frame["arm"].map(order).fillna(99)) if "arm" in frame.columns else frame
@@ -548,6 +561,27 @@ def acceptance_section(tidy: Tidy) -> Section:
     return Section(_arm_order(add_labels(frame, tidy.rungs)))
 
 
+def acceptance_display(section: Section) -> pd.DataFrame:
+    """Acceptance per series (and workload, where there are several) with one column per context:
+    'accepted % (tokens per verify)', so full and windowed drafts read side by side."""
+    if not section.available:
+        return pd.DataFrame()
+    f = section.frame
+    by_workload = "workload" in f.columns and f["workload"].nunique() > 1
+    rows: dict[tuple[str, str], dict[str, str]] = {}
+    for r in f.to_dict("records"):
+        key = (_facet_value("workload", r["workload"]) if by_workload else "", str(r["label"]))
+        rows.setdefault(key, {})[context_label(r["rung"])] = (
+            f"{_fmt(100 * r['acceptance_rate'], 3)} % ({_fmt(r['tok_per_verify'], 3)})"
+        )
+    contexts = [context_label(x) for x in sorted(f["rung"].unique())]
+    out = pd.DataFrame(
+        [{"workload": w, "series": label, **{c: cells.get(c, "") for c in contexts}}
+         for (w, label), cells in rows.items()]
+    )
+    return out.sort_values(["workload"], kind="stable").drop(columns=[] if by_workload else ["workload"])
+
+
 def positions_section(tidy: Tidy) -> Section:
     """Per-position acceptance rate per drafting series and rung."""
     if not tidy.has_drafting:
@@ -663,7 +697,12 @@ def wedge_section(
                 series_label({**r, "k": None}, with_engine=varies["engine"], with_concurrency=varies["concurrency"])
                 for r in measured.to_dict("records")
             ]
-            measured["panel"] = [f"{m} · this study" for m in measured["model"]]
+            several_workloads = "workload" in measured.columns and measured["workload"].nunique() > 1
+            measured["panel"] = [
+                " · ".join([str(r["model"]), "this study"]
+                           + ([_facet_value("workload", r["workload"])] if several_workloads else []))
+                for r in measured.to_dict("records")
+            ]
             parts.append(measured.assign(source="measured"))
         else:
             notes.append("the windowed arms share no (k, rung) with an mtp arm: no measured wedge")
@@ -967,12 +1006,14 @@ def measured_quantities(tidy: Tidy, **boot: Any) -> pd.DataFrame:
             "sink",
             "window",
         ]
-        out = out.drop_duplicates(subset=ident).reset_index(drop=True)
+        out = out.drop_duplicates(subset=[c for c in (*ident, "workload") if c in out.columns]).reset_index(drop=True)
     return out
 
 
 def _matches(pub: pd.Series, meas: pd.DataFrame) -> pd.DataFrame:
     sel = meas[meas["quantity"] == pub["quantity"]]
+    if "workload" in sel.columns:  # the published studies measured plain prompts, never the copy task
+        sel = sel[sel["workload"].fillna("code") == "code"]
     if pub["arm"]:
         sel = sel[sel["arm"] == pub["arm"]]
     for col in ("k", "rung", "rung_from", "position"):

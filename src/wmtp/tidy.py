@@ -15,6 +15,9 @@ from wmtp import analysis
 log = logging.getLogger(__name__)
 
 CELL_KEYS = ["study", "cell_id", "model", "engine", "arm", "k", "sink", "window", "concurrency"]
+# A cell's counters are snapshotted per (workload, rung); raw files from before workloads existed are code.
+RUNG_KEYS = ["workload", "rung"]
+DEFAULT_WORKLOAD = "code"
 
 
 def _cell_keys(manifest: dict) -> dict:
@@ -29,6 +32,8 @@ def request_table(cell_dir: Path) -> pd.DataFrame:
     manifest = json.loads((cell_dir / "manifest.json").read_text())
     frame = pd.read_parquet(cell_dir / "requests.parquet")
     frame = frame[~frame["warmup"]].copy()
+    if "workload" not in frame.columns:
+        frame["workload"] = DEFAULT_WORKLOAD
     for key, value in _cell_keys(manifest).items():
         frame[key] = value
     frame["decode_tok_s"] = [analysis.decode_tok_s(c, e, t) for c, e, t in
@@ -42,11 +47,17 @@ def request_table(cell_dir: Path) -> pd.DataFrame:
 
 
 def counter_deltas(cell_dir: Path) -> pd.DataFrame:
-    """One row per rung with one column per counter delta."""
+    """One row per (workload, rung) with one column per counter delta."""
     frame = pd.read_parquet(cell_dir / "counters.parquet")
     if frame.empty:
-        return pd.DataFrame(columns=["rung"])
-    return frame.pivot_table(index="rung", columns="counter", values="delta", aggfunc="sum").reset_index()
+        return pd.DataFrame(columns=RUNG_KEYS)
+    if "workload" not in frame.columns:
+        frame["workload"] = DEFAULT_WORKLOAD
+    return frame.pivot_table(index=RUNG_KEYS, columns="counter", values="delta", aggfunc="sum").reset_index()
+
+
+def _rung_deltas(deltas: pd.DataFrame, workload: str, rung: int) -> pd.DataFrame:
+    return deltas[(deltas["workload"] == workload) & (deltas["rung"] == rung)]
 
 
 def _sum_or_nan(values: pd.Series) -> float:
@@ -56,9 +67,9 @@ def _sum_or_nan(values: pd.Series) -> float:
 
 def rung_table(requests: pd.DataFrame, deltas: pd.DataFrame) -> pd.DataFrame:
     rows = []
-    for keys, group in requests.groupby([*CELL_KEYS, "rung"], dropna=False, sort=True):
-        row = dict(zip([*CELL_KEYS, "rung"], keys, strict=True))
-        d = deltas[deltas["rung"] == row["rung"]]
+    for keys, group in requests.groupby([*CELL_KEYS, *RUNG_KEYS], dropna=False, sort=True):
+        row = dict(zip([*CELL_KEYS, *RUNG_KEYS], keys, strict=True))
+        d = _rung_deltas(deltas, row["workload"], row["rung"])
         d_drafts, d_draft_tokens, d_accepted = (float(d[name].iloc[0]) if name in d and len(d) else 0.0
                                                 for name in ("drafts", "draft_tokens", "accepted"))
         decode = float(group["decode_tok_s"].median())
@@ -94,14 +105,13 @@ def position_table(rungs: pd.DataFrame, deltas_by_cell: dict[str, pd.DataFrame])
     for _, rung in rungs.iterrows():
         if rung["arm"] == "none":
             continue
-        d = deltas_by_cell[rung["cell_id"]]
-        d = d[d["rung"] == rung["rung"]]
+        d = _rung_deltas(deltas_by_cell[rung["cell_id"]], rung["workload"], rung["rung"])
         for column in sorted(c for c in d.columns if str(c).startswith("accepted_pos_")):
             pos = int(str(column).rsplit("_", 1)[1])
             value = float(d[column].iloc[0])
-            rows.append({**{k: rung[k] for k in CELL_KEYS}, "rung": rung["rung"], "position": pos,
+            rows.append({**{k: rung[k] for k in [*CELL_KEYS, *RUNG_KEYS]}, "position": pos,
                          "d_accepted_pos": value, "rate": analysis.position_rate(value, rung["d_drafts"])})
-    columns = [*CELL_KEYS, "rung", "position", "d_accepted_pos", "rate"]
+    columns = [*CELL_KEYS, *RUNG_KEYS, "position", "d_accepted_pos", "rate"]
     return pd.DataFrame(rows, columns=columns)
 
 

@@ -15,6 +15,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+# What the protocol's ``workloads`` may name: plain code (seed 000) and the hard / low-acceptance copy task.
+WORKLOADS = ("code", "copy")
+COPY_LEAD_TOKENS = 512
+COPY_PASSAGE_TOKENS = 256
+COPY_CUE_TOKENS = 32
+# The shortest prompt a copy task fits in with its defaults: lead-in, passage, cue, separators and filler.
+COPY_MIN_TOKENS = COPY_LEAD_TOKENS + COPY_PASSAGE_TOKENS + COPY_CUE_TOKENS + 64
+
 _SKIP_PARTS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
@@ -109,15 +117,16 @@ class PromptFactory:
         """Prompt number ``index`` of exactly ``n_tokens`` tokens; distinct (index, salt) → distinct start."""
         start = int(hashlib.sha256(f"{salt}:{index}".encode()).hexdigest()[:12], 16)
         n_chars = int((n_tokens + 256) * self.chars_per_token)
-        for _ in range(6):
+        for _ in range(8):
             source = self._slice(start, n_chars)
             try:
                 return exact_length_text(self.encode, self.decode, source, n_tokens)
             except PromptLengthError as err:
-                if "holds only" not in str(err):
-                    raise
-                n_chars *= 2
-        raise PromptLengthError(f"could not gather {n_tokens} tokens of text")
+                if "holds only" in str(err):
+                    n_chars *= 2
+                else:  # no cut of this text re-encodes to n_tokens: cut from elsewhere (deterministically)
+                    start += 7919
+        raise PromptLengthError(f"could not gather exactly {n_tokens} tokens of text")
 
 
 @dataclass(frozen=True)
@@ -135,8 +144,8 @@ class CopyTask:
         return n_tokens - self.passage_start
 
 
-def copy_task_prompt(factory: PromptFactory, n_tokens: int, index: int, passage_tokens: int = 256,
-                     cue_tokens: int = 32, lead_tokens: int = 512, salt: str = "copy",
+def copy_task_prompt(factory: PromptFactory, n_tokens: int, index: int, passage_tokens: int = COPY_PASSAGE_TOKENS,
+                     cue_tokens: int = COPY_CUE_TOKENS, lead_tokens: int = COPY_LEAD_TOKENS, salt: str = "copy",
                      max_tries: int = 64) -> CopyTask:
     """The hard / low-acceptance workload: exactly ``n_tokens`` tokens that end by starting to repeat a
     passage from far back, so that the right continuation is a copy of text the window cannot see.
@@ -171,3 +180,12 @@ def copy_task_prompt(factory: PromptFactory, n_tokens: int, index: int, passage_
             return CopyTask(text, len(factory.encode(f"{lead}\n\n")), passage_tokens, cue_tokens,
                             passage[len(cue):])
     raise PromptLengthError(f"no filler length near {filler_tokens} makes the copy task exactly {n_tokens} tokens")
+
+
+def workload_prompt(factory: PromptFactory, workload: str, n_tokens: int, index: int, salt: str) -> str:
+    """Prompt number ``index`` of exactly ``n_tokens`` tokens of ``workload`` (one of :data:`WORKLOADS`)."""
+    if workload == "code":
+        return factory.prompt(n_tokens, index, salt=salt)
+    if workload == "copy":
+        return copy_task_prompt(factory, n_tokens, index, salt=f"{salt}/copy").text
+    raise ValueError(f"unknown workload {workload!r}; expected one of {', '.join(WORKLOADS)}")

@@ -1,0 +1,58 @@
+"""Raw cell files → tidy tables: counters are differenced per (workload, rung), never across workloads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from wmtp import tidy
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _write_cell(cell_dir: Path, workloads: dict[str, tuple[int, int, int]], rung: int = 1024) -> Path:
+    """A drafting cell measured on each workload at one rung: (drafts, draft tokens, accepted) per workload."""
+    cell_dir.mkdir(parents=True)
+    cell_id = "model~tiny/engine~vllm-cpu/arm~mtp/k~3/c~1"
+    (cell_dir / "manifest.json").write_text(json.dumps({
+        "study": "t", "cell_id": cell_id, "power_status": "unavailable",
+        "cell": {"model": "tiny", "engine": "vllm-cpu", "arm": "mtp", "k": 3, "concurrency": 1}}))
+    requests, counters = [], []
+    for workload, (drafts, draft_tokens, accepted) in workloads.items():
+        for repeat in range(2):
+            requests.append({"cell_id": cell_id, "workload": workload, "rung": rung, "repeat": repeat, "slot": 0,
+                             "warmup": False, "prompt_tokens": rung, "completion_tokens": 33, "ttft_s": 0.5,
+                             "decode_s": 0.4, "e2e_s": 0.9, "energy_decode_j": None})
+        for name, delta in (("drafts", drafts), ("draft_tokens", draft_tokens), ("accepted", accepted),
+                            ("accepted_pos_0", accepted)):
+            counters.append({"cell_id": cell_id, "workload": workload, "rung": rung, "counter": name,
+                             "before": 100.0, "after": 100.0 + delta, "delta": float(delta)})
+    pd.DataFrame(requests).to_parquet(cell_dir / "requests.parquet")
+    pd.DataFrame(counters).to_parquet(cell_dir / "counters.parquet")
+    return cell_dir
+
+
+def test_each_workload_reads_its_own_counter_deltas(tmp_path):
+    cell = _write_cell(tmp_path / "raw" / "cell", {"code": (10, 30, 15), "copy": (20, 60, 6)})
+    tables = tidy.collect([cell], tmp_path / "tidy")
+    rungs = tables["rungs"].set_index("workload")
+    assert rungs.loc["code", "acceptance_rate"] == 0.5 and rungs.loc["copy", "acceptance_rate"] == 0.1
+    assert rungs.loc["code", "tok_per_verify"] == 2.5 and rungs.loc["copy", "tok_per_verify"] == 1.3
+    assert rungs.loc["copy", "n_repeats"] == 2
+    positions = tables["positions"].set_index("workload")
+    assert positions.loc["code", "rate"] == 1.5 and positions.loc["copy", "rate"] == 0.3
+    assert set(pd.read_parquet(tmp_path / "tidy" / "requests.parquet")["workload"]) == {"code", "copy"}
+
+
+def test_raw_files_from_before_workloads_are_code(tmp_path):
+    """The committed raw cells of an embedded run that predates the workload column."""
+    cells = [m.parent for m in (FIXTURES / "embedded-cpu-run").rglob("manifest.json")]
+    assert cells
+    for cell in cells:
+        assert "workload" not in pd.read_parquet(cell / "requests.parquet").columns
+    tables = tidy.collect(cells, tmp_path / "tidy")
+    assert set(tables["requests"]["workload"]) == set(tables["rungs"]["workload"]) == {"code"}
+    drafting = tables["rungs"][tables["rungs"]["arm"] == "mtp"]
+    assert (drafting["d_drafts"] > 0).all()

@@ -24,7 +24,9 @@ rule tiny_model:
         "{params.python} -m wmtp.tiny --out {params.out} --seed {params.seed} > {log} 2>&1"
 
 
+# Copies and hash-checks the committed checkpoint: seconds of work, so never a batch job.
 rule trained_model:
+    localrule: True
     input:
         fixture=[TRAINED_FIXTURE / name for name in ("wmtp-model.json", "config.json", "model.safetensors",
                                                     "tokenizer.json", "tokenizer_config.json")],

@@ -19,8 +19,33 @@ def test_embedded_study_is_valid(repo):
     assert [c.cell_id for c in study.cells()] == [
         "model~tiny/engine~vllm-cpu/arm~none/c~1",
         "model~tiny/engine~vllm-cpu/arm~mtp/k~3/c~1",
-        "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~128/c~1",
+        "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~256/c~1",
+        "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~1024/c~1",
     ]
+    assert study.protocol.workloads == ["code", "copy"]
+    assert study.model("tiny").generate == "trained"
+
+
+def test_workloads_default_to_code(embedded_raw):
+    del embedded_raw["protocol"]["workloads"]
+    assert study_from_dict(embedded_raw).protocol.workloads == ["code"]
+
+
+def test_unknown_workload(embedded_raw):
+    embedded_raw["protocol"]["workloads"] = ["code", "chat"]
+    check(embedded_raw, "protocol.workloads[1]", "'chat'")
+
+
+def test_repeated_workload(embedded_raw):
+    embedded_raw["protocol"]["workloads"] = ["copy", "copy"]
+    check(embedded_raw, "protocol.workloads")
+
+
+def test_copy_workload_needs_a_long_enough_rung(embedded_raw):
+    embedded_raw["protocol"]["rungs"] = [512, 4096, 16384]
+    check(embedded_raw, "protocol.rungs[0] = 512", "too short for the copy workload", "≥ 864")
+    embedded_raw["protocol"]["workloads"] = ["code"]
+    assert study_from_dict(embedded_raw).protocol.rungs[0] == 512
 
 
 def test_k_zero_on_mtp_arm(embedded_raw):
@@ -44,8 +69,8 @@ def test_context_length_not_positive(embedded_raw):
 
 
 def test_context_length_not_below_max_len(embedded_raw):
-    embedded_raw["protocol"]["rungs"] = [512, 4096]
-    check(embedded_raw, "protocol.rungs[1] = 4096", "models[0].max_model_len = 4096")
+    embedded_raw["protocol"]["rungs"] = [1024, 16640]
+    check(embedded_raw, "protocol.rungs[1] = 16640", "models[0].max_model_len = 16640")
 
 
 def test_repeats_below_one(embedded_raw):
@@ -78,7 +103,7 @@ def test_model_path_does_not_exist(embedded_raw, tmp_path):
 
 
 def test_model_path_that_exists_is_accepted(embedded_raw, tmp_path):
-    embedded_raw["models"][0] = {"name": "big", "path": str(tmp_path), "max_model_len": 8192}
+    embedded_raw["models"][0] = {"name": "big", "path": str(tmp_path), "max_model_len": 32768}
     assert study_from_dict(embedded_raw).model_dir("big") == tmp_path
 
 
@@ -105,7 +130,7 @@ def test_matrix_expansion_order_and_ids(embedded_raw):
 
 def test_repeats_scalar_expands_per_rung(embedded_raw):
     study = study_from_dict(embedded_raw)
-    assert study.protocol.repeats == [2, 2, 2]
+    assert study.protocol.repeats == [3, 3, 3]
 
 
 def test_spark_study_encodes_the_seed_protocol(repo, tmp_path, monkeypatch):

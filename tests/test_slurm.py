@@ -97,8 +97,11 @@ def slurm_run(slurm, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("slurm")
     raw = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     raw.update(study="embedded-slurm", results_dir=str(tmp / "results"), engines_dir=str(ENGINES),
-               models_dir=str(tmp / "models"), arms=[{"name": "mtp", "k": [3]}])
-    raw["protocol"].update(rungs=[RUNG], repeats=1, output_tokens=12, warmup_requests=1, warmup_output_tokens=4)
+               models_dir=str(tmp / "models"), arms=[{"name": "mtp", "k": [3]}],
+               # the random-weight model: its generation is a batch job without a GPU, next to the cell's
+               models=[{"name": "tiny", "generate": "tiny", "seed": 0, "max_model_len": 4096}])
+    raw["protocol"].update(rungs=[RUNG], workloads=["code"], repeats=1, output_tokens=12, warmup_requests=1,
+                           warmup_output_tokens=4)
     study = tmp / "study.yaml"
     study.write_text(yaml.safe_dump(raw))
     profile = _ci_profile(tmp)

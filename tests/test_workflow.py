@@ -34,7 +34,7 @@ def test_dry_run_embedded_study(tmp_path):
               f"engines_dir={tmp_path}/engines")
     assert out.returncode == 0, out.stdout + out.stderr
     jobs = job_counts(out.stdout)
-    assert jobs["cell"] == 3 and jobs["engine"] == 1 and jobs["tiny_model"] == 1
+    assert jobs["cell"] == 4 and jobs["engine"] == 1 and jobs["trained_model"] == 1
     assert jobs["collect"] == 1 and jobs["report"] == 1
 
 

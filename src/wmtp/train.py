@@ -88,6 +88,9 @@ class Budget:
     max_chars: int = 12_000_000
     tokenizer_chars: int = 4_000_000
     threads: int = 1  # one thread: OpenMP threads stall badly when other jobs share the two cores
+    # "cpu" (bitwise reproducible, the tests' hash) or "cuda" (a larger budget in minutes; reproducible
+    # only up to the GPU's non-deterministic kernels).
+    device: str = "cpu"
     eval_batches: int = 4
     log_every: int = 20
 
@@ -129,9 +132,9 @@ def corpus_text(files: list[Path], max_chars: int | None = None) -> str:
     return "".join(parts)
 
 
-def heldout_text(max_chars: int | None = None) -> str:
+def heldout_text(max_chars: int | None = None, root: Path | None = None) -> str:
     """The held-out files' text: what acceptance is measured on (never trained on)."""
-    return corpus_text(split_files()[1], max_chars)
+    return corpus_text(split_files(root)[1], max_chars)
 
 
 def token_stream(tokenizer_json: Path, text: str):
@@ -287,13 +290,14 @@ def mtp_losses(target, head, rows, depth: int, weights: tuple[float, ...], copie
         embeds = target.model.embed_tokens(rows)
     batch, seq_len = rows.shape
     n = seq_len - 1
-    idx = torch.arange(n)
-    follows = torch.zeros(batch, seq_len, dtype=torch.bool)  # x[j + 1] == greedy[j]
+    device = rows.device
+    idx = torch.arange(n, device=device)
+    follows = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)  # x[j + 1] == greedy[j]
     follows[:, :-1] = rows[:, 1:] == greedy[:, :-1]
     losses, agree = [], []
     blocks: list = []
     previous = hidden[:, :n]
-    valid = torch.ones(batch, n, dtype=torch.bool)
+    valid = torch.ones(batch, n, dtype=torch.bool, device=device)
     for d in range(depth):
         tok = (idx + d + 1).clamp(max=seq_len - 1)
         valid = valid & (idx + d + 1 <= seq_len - 1)[None]
@@ -302,7 +306,7 @@ def mtp_losses(target, head, rows, depth: int, weights: tuple[float, ...], copie
         blocks.append(head.project(embeds[:, tok], previous))
         x = torch.cat(blocks, dim=1)
         positions = torch.cat([idx + e for e in range(d + 1)])[None]
-        mask = None if d == 0 else chain_mask(n, d)
+        mask = None if d == 0 else chain_mask(n, d).to(device)
         out = head(x, positions, mask)[:, d * n:]
         logits = target.lm_head(out)
         label = greedy[:, tok]
@@ -352,18 +356,25 @@ def _steps(n: int, every: int) -> Iterator[tuple[int, bool]]:
 
 
 def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape: TinyShape | None = None,
-               tokenizer_json: Path | None = None) -> dict:
+               tokenizer_json: Path | None = None, stdlib: Path | None = None) -> dict:
     """Train target then MTP head; write the checkpoint into ``out_dir``; returns its manifest.
 
-    ``tokenizer_json`` reuses a tokenizer (e.g. the fixture's) instead of training one.
+    ``tokenizer_json`` reuses a tokenizer (e.g. the fixture's) instead of training one; ``stdlib`` reads
+    the corpus from another standard library's root (the fixture's: CPython 3.11's).
     """
+    import os
+
+    budget = budget or Budget()
+    if budget.device.startswith("cuda"):
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: deterministic GEMMs
     import torch
     from transformers import Qwen3NextForCausalLM
 
-    budget = budget or Budget()
     shape = shape or TRAINED_SHAPE
+    device = torch.device(budget.device)
     torch.set_num_threads(budget.threads)
-    torch.use_deterministic_algorithms(True)
+    # Some CUDA backward kernels (scatter-adds of the MoE) have no deterministic variant: warn, not fail.
+    torch.use_deterministic_algorithms(True, warn_only=device.type == "cuda")
     # Every tensor we allocate is written before it is read; filling fresh memory costs ~10 % of a step.
     torch.utils.deterministic.fill_uninitialized_memory = False
     # The Gated-DeltaNet decays exp(g) reach subnormal floats, which are many times slower on x86.
@@ -372,7 +383,7 @@ def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape
     started = time.monotonic()
     record = TrainLog()
 
-    train_files, heldout_files = split_files()
+    train_files, heldout_files = split_files(stdlib)
     if tokenizer_json is None:
         log.info("training the tokenizer (vocab %d) on %d training files", shape.vocab_size, len(train_files))
         train_tokenizer(shape.vocab_size, out_dir, max_chars=budget.tokenizer_chars, files=train_files)
@@ -388,11 +399,12 @@ def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape
     layer_types = shape.resolved_layer_types()
     config = qwen3_next_config(shape, layer_types)
     torch.manual_seed(seed)
-    target = Qwen3NextForCausalLM(config)
+    target = Qwen3NextForCausalLM(config).to(device)
     data_gen = torch.Generator().manual_seed(seed + 10)
     eval_gen = torch.Generator().manual_seed(seed + 20)
     # Held-out rows repeat code passages only: does copying carry over to real text?
-    eval_rows = [make_batch(eval_stream, eval_gen, budget.batch, budget.seq_len, budget.copy_fraction)
+    eval_rows = [tuple(t.to(device) for t in make_batch(eval_stream, eval_gen, budget.batch, budget.seq_len,
+                                                        budget.copy_fraction))
                  for _ in range(budget.eval_batches)]
 
     def target_loss(rows, copied):
@@ -411,8 +423,9 @@ def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape
         for step, report in _steps(budget.target_steps, budget.log_every):
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, budget.target_steps, budget.lr, budget.warmup_steps)
-            rows, copied = make_batch(stream, data_gen, budget.batch, budget.seq_len, budget.copy_fraction,
-                                      budget.random_copy_share, shape.vocab_size)
+            rows, copied = (t.to(device) for t in make_batch(stream, data_gen, budget.batch, budget.seq_len,
+                                                             budget.copy_fraction, budget.random_copy_share,
+                                                             shape.vocab_size))
             loss, copy_acc = target_loss(rows, copied)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -436,15 +449,16 @@ def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape
 
         # Stage 2: the MTP head, target frozen.
         t0 = time.monotonic()
-        head = build_mtp_head(shape, seed + 1)
+        head = build_mtp_head(shape, seed + 1).to(device)
         head.train()
         opt = _optimizer(head.parameters(), budget.mtp_lr, budget.weight_decay)
         weights = budget.draft_weights[:budget.draft_depth]
         for step, report in _steps(budget.mtp_steps, budget.log_every):
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, budget.mtp_steps, budget.mtp_lr, budget.warmup_steps)
-            rows, copied = make_batch(stream, data_gen, budget.batch, budget.seq_len, budget.copy_fraction,
-                                      budget.random_copy_share, shape.vocab_size)
+            rows, copied = (t.to(device) for t in make_batch(stream, data_gen, budget.batch, budget.seq_len,
+                                                             budget.copy_fraction, budget.random_copy_share,
+                                                             shape.vocab_size))
             loss, agree = mtp_losses(target, head, rows, budget.draft_depth, weights, copied)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -463,14 +477,16 @@ def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape
         log.info("MTP held-out agreement with the target's greedy token per draft step (teacher-forced): %s; "
                  "draft step 1 on repeated passages: %.3f", means[:-1], means[-1])
 
-    state = dict(target.state_dict())
-    state.update({f"mtp.{name}": tensor for name, tensor in head.state_dict().items()})
+    state = {name: tensor.cpu() for name, tensor in target.state_dict().items()}
+    state.update({f"mtp.{name}": tensor.cpu() for name, tensor in head.state_dict().items()})
     record.seconds["total"] = round(time.monotonic() - started, 1)
     manifest = {
         "seed": seed, "shape": asdict(shape), "budget": asdict(budget), "trained": True,
         "heldout_every": HELDOUT_EVERY, "heldout_files": len(heldout_files),
         "training_tokens": len(stream), "log": asdict(record), "threads": budget.threads,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        **({"cuda_device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+           if device.type == "cuda" else {}),
     }
     return write_checkpoint(out_dir, state, config, shape.num_experts, manifest)
 
@@ -522,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--tiny", action="store_true", help="the test's tiny budget (seconds; for the determinism check)")
     t.add_argument("--tokenizer", type=Path, help="reuse this tokenizer.json instead of training one")
     t.add_argument("--shape", type=json.loads, default={}, help="JSON overrides of the trained TinyShape")
+    t.add_argument("--stdlib", type=Path, help="read the corpus from this standard-library root")
     i = sub.add_parser("install", help="copy the committed checkpoint into place, checking its hashes")
     i.add_argument("--out", type=Path, required=True)
     i.add_argument("--fixture", type=Path, default=FIXTURE_DIR)
@@ -534,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     base = TINY_BUDGET if args.tiny else Budget()
     budget = Budget(**{**asdict(base), **args.budget})
     shape = TinyShape(**{**asdict(TRAINED_SHAPE), **args.shape})
-    manifest = train_tiny(args.out, seed=args.seed, budget=budget, shape=shape, tokenizer_json=args.tokenizer)
+    manifest = train_tiny(args.out, seed=args.seed, budget=budget, shape=shape, tokenizer_json=args.tokenizer,
+                          stdlib=args.stdlib)
     log.info("model.safetensors sha256 %s", manifest["files"]["model.safetensors"])
     return 0
 

@@ -56,3 +56,21 @@ def test_raw_files_from_before_workloads_are_code(tmp_path):
     assert set(tables["requests"]["workload"]) == set(tables["rungs"]["workload"]) == {"code"}
     drafting = tables["rungs"][tables["rungs"]["arm"] == "mtp"]
     assert (drafting["d_drafts"] > 0).all()
+
+
+def test_a_real_trained_run_on_two_workloads(tmp_path):
+    """The committed raw cells of `make run` on the trained tiny model (1K/4K/16K, code and copy)."""
+    cells = [m.parent for m in (FIXTURES / "embedded-trained-run").rglob("manifest.json")]
+    assert len(cells) == 4
+    tables = tidy.collect(cells, tmp_path / "tidy")
+    rungs = tables["rungs"]
+    assert set(rungs["workload"]) == {"code", "copy"} and sorted(rungs["rung"].unique()) == [1024, 4096, 16384]
+    assert (rungs.groupby(["cell_id", "workload", "rung"]).size() == 1).all()
+    assert (rungs["n_repeats"] == 3).all() and (rungs["prompt_tokens"] == rungs["rung"]).all()
+    drafting = rungs[rungs["arm"] != "none"]
+    # a trained head: every (series, workload, rung) accepted between a third and two thirds of its drafts
+    assert drafting["acceptance_rate"].between(0.33, 0.67).all(), drafting[["cell_id", "workload", "rung"]]
+    assert (drafting["d_draft_tokens"] == 3 * drafting["d_drafts"]).all()
+    positions = tables["positions"]
+    per_position = positions.groupby("position")["rate"].mean()
+    assert per_position.is_monotonic_decreasing  # later draft positions are accepted less often

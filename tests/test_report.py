@@ -398,6 +398,7 @@ def test_workloads_are_separate_series_matched_to_their_own_baseline(two_workloa
     shown = report.acceptance_display(data.acceptance)
     assert list(shown.columns[:2]) == ["workload", "series"] and len(shown) == 2 * 3
     assert shown.iloc[0]["workload"] == "code prompts"
+    assert list(shown["series"][:3]) == ["mtp k=3", "wmtp k=3 S=16 W=128", "wmtp-ring k=3 S=16 W=128"]
     # the measured wedge gets a panel per workload; published numbers are matched on code prompts only
     assert {p for p in data.wedge.frame["panel"] if "this study" in p} == {
         "qwen3.6-35b-a3b-nvfp4 · this study · code prompts",

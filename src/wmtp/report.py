@@ -568,9 +568,12 @@ def acceptance_display(section: Section) -> pd.DataFrame:
         return pd.DataFrame()
     f = section.frame
     by_workload = "workload" in f.columns and f["workload"].nunique() > 1
+    varies = {c: c in f.columns and f[c].nunique(dropna=False) > 1 for c in ("model", "engine", "concurrency")}
     rows: dict[tuple[str, str], dict[str, str]] = {}
     for r in f.to_dict("records"):
-        key = (_facet_value("workload", r["workload"]) if by_workload else "", str(r["label"]))
+        label = series_label(r, with_model=varies["model"], with_engine=varies["engine"],
+                             with_concurrency=varies["concurrency"])  # the workload has its own column
+        key = (_facet_value("workload", r["workload"]) if by_workload else "", label)
         rows.setdefault(key, {})[context_label(r["rung"])] = (
             f"{_fmt(100 * r['acceptance_rate'], 3)} % ({_fmt(r['tok_per_verify'], 3)})"
         )

@@ -62,3 +62,17 @@ def test_workload_prompts_have_exact_lengths_and_copy_repeats_a_far_passage(tiny
         assert task.distance(n) >= n - 600
     with pytest.raises(ValueError, match="unknown workload 'chat'"):
         workload_prompt(factory, "chat", 1024, 0, salt="x")
+
+
+def test_copy_task_converges_where_a_filler_ending_in_a_newline_steps_over_the_length():
+    """With the trained model's tokenizer, copy prompt #1 of 2,048 tokens once failed: every filler
+    length either fell one short or one over (its trailing newline merged with the tail's)."""
+    from pathlib import Path
+
+    from wmtp.workload import copy_task_prompt
+
+    factory = PromptFactory(Path(__file__).parent / "fixtures" / "tiny-trained" / "tokenizer.json")
+    for index in range(6):
+        for n in (1024, 2048, 4096):
+            task = copy_task_prompt(factory, n, index, salt=f"measure/{n}/copy")
+            assert len(factory.encode(task.text)) == n

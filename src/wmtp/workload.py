@@ -171,14 +171,18 @@ def copy_task_prompt(factory: PromptFactory, n_tokens: int, index: int, passage_
     offsets = [0]
     for step in range(1, max_tries):
         offsets += [-step, step]
-    for offset in offsets[:max_tries]:
-        if filler_tokens + offset < 1:
-            continue
-        filler = factory.prompt(filler_tokens + offset, index, salt=f"{salt}/filler")
-        text = head + filler + tail
-        if len(factory.encode(text)) == n_tokens:
-            return CopyTask(text, len(factory.encode(f"{lead}\n\n")), passage_tokens, cue_tokens,
-                            passage[len(cue):])
+    # A filler that ends in a newline merges with the tail's, so one text can step over n_tokens at
+    # every length; another filler text (a few variants, deterministic) has other boundaries.
+    for variant in range(4):
+        filler_salt = f"{salt}/filler" + (f"/{variant}" if variant else "")
+        for offset in offsets[:max_tries]:
+            if filler_tokens + offset < 1:
+                continue
+            filler = factory.prompt(filler_tokens + offset, index, salt=filler_salt)
+            text = head + filler + tail
+            if len(factory.encode(text)) == n_tokens:
+                return CopyTask(text, len(factory.encode(f"{lead}\n\n")), passage_tokens, cue_tokens,
+                                passage[len(cue):])
     raise PromptLengthError(f"no filler length near {filler_tokens} makes the copy task exactly {n_tokens} tokens")
 
 

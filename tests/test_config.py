@@ -154,3 +154,13 @@ def test_spark_study_encodes_the_seed_protocol(repo, tmp_path, monkeypatch):
         "model~qwen3.6-35b-a3b-nvfp4/engine~vllm/arm~none/c~1",
         "model~qwen3.6-35b-a3b-nvfp4/engine~vllm/arm~mtp/k~3/c~1",
     ]
+
+
+def test_check_config_lists_cells_and_the_sweep(repo, capsys):
+    from wmtp.cli import main
+
+    assert main(["check-config", "--config", str(repo / "config" / "config.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "is valid: 4 cells" in out
+    assert "rungs 1024, 4096, 16384 × repeats [3, 3, 3] on workloads code, copy" in out
+    assert "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~1024/c~1" in out

@@ -29,7 +29,10 @@ def _study(args: argparse.Namespace):
 def cmd_check_config(args: argparse.Namespace) -> int:
     study = _study(args)
     cells = study.cells()
+    protocol = study.protocol
     print(f"{args.config}: study {study.study!r} is valid: {len(cells)} cells")
+    print(f"  each sweeps rungs {', '.join(map(str, protocol.rungs))} × repeats {protocol.repeats} on "
+          f"workloads {', '.join(protocol.workloads)}")
     for cell in cells:
         print(f"  {cell.cell_id}")
     return 0

@@ -407,6 +407,12 @@ def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape
                                                         budget.copy_fraction))
                  for _ in range(budget.eval_batches)]
 
+    def training_batch():
+        """The next training rows (and their copy mask) from the one seeded stream, on the device."""
+        batch = make_batch(stream, data_gen, budget.batch, budget.seq_len, budget.copy_fraction,
+                           budget.random_copy_share, shape.vocab_size)
+        return tuple(t.to(device) for t in batch)
+
     def target_loss(rows, copied):
         """Next-token loss, and accuracy on the tokens of repeated passages (does the target copy?)."""
         logits = target(input_ids=rows).logits[:, :-1]
@@ -423,9 +429,7 @@ def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape
         for step, report in _steps(budget.target_steps, budget.log_every):
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, budget.target_steps, budget.lr, budget.warmup_steps)
-            rows, copied = (t.to(device) for t in make_batch(stream, data_gen, budget.batch, budget.seq_len,
-                                                             budget.copy_fraction, budget.random_copy_share,
-                                                             shape.vocab_size))
+            rows, copied = training_batch()
             loss, copy_acc = target_loss(rows, copied)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -456,9 +460,7 @@ def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape
         for step, report in _steps(budget.mtp_steps, budget.log_every):
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, budget.mtp_steps, budget.mtp_lr, budget.warmup_steps)
-            rows, copied = (t.to(device) for t in make_batch(stream, data_gen, budget.batch, budget.seq_len,
-                                                             budget.copy_fraction, budget.random_copy_share,
-                                                             shape.vocab_size))
+            rows, copied = training_batch()
             loss, agree = mtp_losses(target, head, rows, budget.draft_depth, weights, copied)
             opt.zero_grad(set_to_none=True)
             loss.backward()

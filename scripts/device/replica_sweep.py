@@ -1,4 +1,4 @@
-"""The whole H200 replica measurement in one command (the device tool's `run` executes it).
+"""The whole H200 replica measurement in one command, run on the GPU machine from the repo root.
 
     python scripts/device/replica_sweep.py --out "$OUT"            # full sweep, all four models
     python scripts/device/replica_sweep.py --out "$OUT" --quick    # checks + attention bench + 2 points
@@ -9,9 +9,9 @@ inputs, the attention kernels' achieved bandwidth, and the acceptance-free step 
 vs windowed MTP at each (model, context, k) with per-component times.  CSVs (replica_*.csv) are
 written to --out as it goes, so a timeout still leaves data; a summary table is printed last.
 
-S and W: the seeds give no values (seed 003 has none); we use S = 64, W = 4032 (4,096 draft-visible
-tokens), the window of SGLang's own long-context tests that config/studies/paper-1m.yaml adopts, so
-the replica and the engine study measure the same arms.
+S and W: neither the Spark study nor the Windowed-MTP paper gives values; we use S = 64, W = 4032
+(4,096 draft-visible tokens), the window of SGLang's own long-context tests that
+config/studies/paper-1m.yaml adopts, so the replica and the engine study measure the same arms.
 """
 
 from __future__ import annotations

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# Train the tiny hybrid MTP checkpoint on the lent GPU with a larger budget than CPU training allows:
+# Train the tiny hybrid MTP checkpoint on a GPU (an H200) with a larger budget than CPU training allows:
 # enough steps for the target (and its MTP head) to learn to copy a passage from far back, so that the
 # copy-task workload really needs far context. Same code as `python -m wmtp.train train` on CPU.
 #
-# Carried from the workstation (both ignored by git, see .git/info/exclude):
-#   .whl/transformers-5.19.0-py3-none-any.whl   the engine venv's transformers (the device has 5.17)
-#   .carry/stdlib.tar.gz                        CPython 3.11's standard-library corpus files (the device
-#                                               runs 3.12: same files as the CPU corpus, same held-out split)
-# Usage (device tool, repo root): bash scripts/device/train_tiny_gpu.sh NAME 'BUDGET_JSON'
+# Inputs copied into .gpu-inputs/ at the repository root beforehand (ignored by git):
+#   transformers-5.19.0-py3-none-any.whl   the engine venv's transformers (the GPU machine's image has 5.17)
+#   stdlib.tar.gz                          CPython 3.11's standard-library corpus files (the GPU machine
+#                                          runs 3.12: same files as the CPU corpus, same held-out split)
+# Usage, from the repository root, with OUT naming the output directory:
+#   OUT=/path/to/out bash scripts/device/train_tiny_gpu.sh NAME 'BUDGET_JSON'
 set -euo pipefail
 name=$1
 budget=$2
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu-inputs/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
-mkdir -p /tmp/stdlib && tar xzf .carry/stdlib.tar.gz -C /tmp/stdlib
+mkdir -p /tmp/stdlib && tar xzf .gpu-inputs/stdlib.tar.gz -C /tmp/stdlib
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 python3 -m wmtp.train train --out "$OUT/$name" --seed 0 --tokenizer tests/fixtures/tiny-trained/tokenizer.json \

@@ -45,7 +45,7 @@ DTYPE_BYTES: dict[str, int] = {
     "nvfp4": 1,  # rounded up; quantised weights are out of scope for the replica
 }
 
-#: Copy bandwidth (read + write bytes per second) measured on the lent H200 (DESIGN.md).
+#: Copy bandwidth (read + write bytes per second) measured on an H200 (docs/design.md, "Measured facts").
 H200_COPY_BANDWIDTH = 4.29e12
 
 COMPONENTS = ("attn", "gdn", "mamba2", "moe")
@@ -623,7 +623,7 @@ def predict(
     """Predict native vs windowed MTP step cost at ``context`` tokens and draft depth ``k``.
 
     ``model`` is a path to ``config/models/<name>.json``, its parsed dict, or a ModelSpec;
-    ``bandwidth`` in bytes/s (the copy bandwidth measured on the device is the right roofline).
+    ``bandwidth`` in bytes/s (the copy bandwidth measured on the GPU is the right roofline).
     """
     spec = _as_spec(model)
     kw = {

@@ -1,4 +1,4 @@
-"""Greedy outputs equal "up to numerics" (DESIGN.md, "Lossless is lossless up to numerics").
+"""Greedy outputs equal "up to numerics" (docs/design.md, "Lossless up to numerics").
 
 A speculative arm verifies k+1 tokens in one batched forward, so bf16 rounding can flip an argmax
 that the reference arm decided by a hair. Equality therefore means: identical token ids, or a first

@@ -1,4 +1,4 @@
-"""GPU power and energy through NVML (DESIGN.md, "Power, as measured on the lent H200").
+"""GPU power and energy through NVML (docs/design.md, "Power and energy").
 
 Energy of record is the delta of ``nvmlDeviceGetTotalEnergyConsumption`` (mJ) over an explicit
 window (Zeus-style ``begin_window`` / ``end_window``); a counter that goes backwards makes the window

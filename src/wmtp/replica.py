@@ -402,7 +402,7 @@ def auto_splits(length: int, num_kv_heads: int, sms: int = 132, min_chunk: int =
 
 #: Split-KV launch knobs: a global override (CLI) and per-(head_dim, BLOCK_M) tuned choices.
 TRITON_ATTN_KNOBS: dict[str, int | None] = {"block_n": None, "num_warps": None, "num_stages": None}
-#: Probe on the lent H200 (measurements/h200/replica_attention_bench.csv): d = 256, up to 64 rows.
+#: Probe on an H200 (measurements/h200/replica_attention_bench.csv): d = 256, up to 64 rows.
 ATTN_TUNED: dict[tuple[int, int], tuple[int, int, int]] = {
     (256, 16): (64, 4, 3),
     (256, 32): (64, 4, 3),

@@ -8,9 +8,11 @@ machine"), so the notebook never plots zeros or NaN.
 
 Published numbers (``config/published/*.csv``) are one number per row with the exact sentence they
 come from: ``study, quantity, arm, k, rung, rung_from, position, value, pm, lo, hi, unit, primary,
-source, source_quote``. ``rung`` is the context the seed names (its server-counted prompt tokens where
-it gives them, 1000000 for the paper's "1M"); ``primary`` is false for a rounded restatement of a
-number stated more precisely elsewhere. Percentages are stored as the seed writes them (78.7, unit %).
+source, source_quote``. ``source`` labels which text the quote is from (docs/design.md, "Published
+numbers": ``seed 000`` is the Spark study's write-up, ``seed 001``/``seed 003`` texts on the Windowed-MTP
+paper). ``rung`` is the context the text names (its server-counted prompt tokens where it gives them,
+1000000 for the paper's "1M"); ``primary`` is false for a rounded restatement of a number stated more
+precisely elsewhere. Percentages are stored as the text writes them (78.7, unit %).
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ def normalise_replica(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def context_label(tokens: float) -> str:
-    """2040 → '2K', 32779 → '32K', 131290 → '131K', 1536 → '1.5K', 1000000 → '1M' (the seed's style)."""
+    """2040 → '2K', 32779 → '32K', 131290 → '131K', 1536 → '1.5K', 1000000 → '1M' (the Spark study's style)."""
     if tokens is None or (isinstance(tokens, float) and math.isnan(tokens)):
         return ""
     t = float(tokens)

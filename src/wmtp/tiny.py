@@ -2,7 +2,7 @@
 
 A Qwen3-Next-shaped model (Gated-DeltaNet layers + one full-attention layer, a small MoE) with one
 MTP layer (``mtp.*`` tensors, as vLLM's ``Qwen3NextMTP`` loads them) and a byte-level BPE tokenizer
-trained on Python standard-library source — the "coding agent with files pasted in" text of seed 000.
+trained on Python standard-library source — the "coding agent with files pasted in" text of the Spark study.
 
 Runs inside the engine environment (it needs torch, transformers and tokenizers, which the vLLM
 build brings), so the config it writes is one the installed transformers reads back.

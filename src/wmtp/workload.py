@@ -1,6 +1,6 @@
 """Prompts of an exact token length, cut from real text (Python standard-library source).
 
-Seed 000's workload is a coding agent with files pasted in; the standard library is real code that
+The Spark study's workload is a coding agent with files pasted in; the standard library is real code that
 ships with every Python, so the embedded default needs nothing downloaded. Lengths are converged on
 or refused (after inference-perf's converge_to_exact_length_text), never approximate, and the cell
 later checks them against the server's own ``usage.prompt_tokens``.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-# What the protocol's ``workloads`` may name: plain code (seed 000) and the hard / low-acceptance copy task.
+# What the protocol's ``workloads`` may name: plain code (the Spark study's) and the hard / low-acceptance copy task.
 WORKLOADS = ("code", "copy")
 COPY_LEAD_TOKENS = 512
 COPY_PASSAGE_TOKENS = 256

@@ -7,7 +7,7 @@ Arms (facts from the sglang 0.5.21 wheel's ``arg_groups/fields/spec.py`` and ``s
 
 * ``mtp`` — the checkpoint's own MTP head: ``--speculative-algorithm NEXTN`` (SGLang's name for a
   built-in MTP head; it resolves to its EAGLE worker, so ``EAGLE`` would do the same), a chain draft
-  (``--speculative-eagle-topk 1``: one proposal per step, as the seed's vLLM MTP), k draft steps
+  (``--speculative-eagle-topk 1``: one proposal per step, as vLLM's MTP in the Spark study), k draft steps
   (``--speculative-num-steps k``) and k+1 verified tokens (``--speculative-num-draft-tokens k+1``).
 * ``wmtp`` — the same plus upstream's windowed draft decode (sgl-project/sglang PR #32673, first
   released in sglang 0.5.21): ``--speculative-draft-window-size W --speculative-draft-sink-size S``.
@@ -26,7 +26,7 @@ with a chunk whose ``choices`` is empty and whose ``sglext.spec_tokens_details``
 ``spec_verify_ct`` (verify cycles), ``spec_num_correct_drafts`` and ``spec_correct_drafts_histogram``
 (cycles that accepted 0, 1, … k drafts); the native ``/generate`` carries the same keys in
 ``meta_info``. ``counters_from_requests`` sums them over a rung into the short names the tidy step
-reads, chosen so that its ``1 + accepted / drafts`` is DESIGN.md's SGLang formula
+reads, chosen so that its ``1 + accepted / drafts`` is the SGLang formula of docs/design.md ("Formulas")
 ``tokPerVerify = completion_tokens / spec_verify_ct``:
 
 * ``drafts`` = Σ spec_verify_ct; ``draft_tokens`` = k · Σ spec_verify_ct;

@@ -92,13 +92,34 @@ class ProtocolSpec(_Strict):
     record_tokens: bool = False
 
 
+class ReplicaSettings(_Strict):
+    """The GPU cost-side replica's sweep (rules/replica.smk); every default lives here."""
+
+    models: list[str] = Field(default_factory=lambda: [
+        "config/models/qwen3.6-35b-a3b.json",
+        "config/models/qwen3.5-122b-a10b.json",
+        "config/models/nemotron-3-super-120b-a12b.json",
+        "config/models/qwen3-next-80b-a3b.json",
+    ])
+    contexts: str = "2k,32k,128k,256k,512k,1m"
+    ks: str = "1,3,5"
+    # S and W of the windowed draft: the paper-1m study's (SGLang's default window).
+    sink: int = 64
+    window: int = 4032
+    reps: int = 30
+    label: str = "h200"
+    # Tidy this folder of replica_*.csv (e.g. measurements/h200) instead of running the sweep.
+    raw: str | None = None
+    # bytes/s for the prediction; None: the copy bandwidth measured in the same run.
+    bandwidth: float | None = None
+
+
 class Study(_Strict):
     study: str
     results_dir: str = "results"
     engines_dir: str = "results/engines"
     models_dir: str = "results/models"
-    # The GPU replica's settings (rules/replica.smk reads them from Snakemake's config directly).
-    replica: dict[str, Any] = Field(default_factory=dict)
+    replica: ReplicaSettings = Field(default_factory=ReplicaSettings)
     engines: list[EngineSpec]
     models: list[ModelSpec]
     arms: list[ArmSpec]
@@ -199,8 +220,7 @@ def _check_schema(raw: Mapping[str, Any]) -> None:
         raise ConfigError(f"{_path_of(first.absolute_path)}: {first.message}")
 
 
-def _semantic_checks(raw: Mapping[str, Any], base_dir: Path) -> None:
-    models = raw["models"]
+def _check_models(models: list[Mapping[str, Any]], base_dir: Path) -> None:
     seen: set[str] = set()
     for i, model in enumerate(models):
         if model["name"] in seen:
@@ -217,10 +237,13 @@ def _semantic_checks(raw: Mapping[str, Any], base_dir: Path) -> None:
             if not resolved.is_dir():
                 raise ConfigError(f"config: models[{i}].path {model['path']!r} does not exist "
                                   f"(looked in {resolved}); download the checkpoint there or fix the path")
-    engine_names = [e["name"] for e in raw["engines"]]
+
+
+def _check_engines(engines: list[Mapping[str, Any]]) -> None:
+    engine_names = [e["name"] for e in engines]
     if len(set(engine_names)) != len(engine_names):
         raise ConfigError(f"config: engines: two engines share a name ({engine_names})")
-    for i, engine in enumerate(raw["engines"]):
+    for i, engine in enumerate(engines):
         source = engine.get("source", "venv")
         if source == "venv" and not engine.get("packages"):
             raise ConfigError(f"config: engines[{i}].packages must list the pinned engine package "
@@ -232,29 +255,31 @@ def _semantic_checks(raw: Mapping[str, Any], base_dir: Path) -> None:
             raise ConfigError(f"config: engines[{i}].python must name an interpreter for source 'python'")
         if source == "container" and not engine.get("image"):
             raise ConfigError(f"config: engines[{i}].image must name an image for source 'container'")
-    for i, arm in enumerate(raw["arms"]):
-        name = arm["name"]
-        if name in DRAFTING_ARMS:
-            ks = arm.get("k") or []
-            if not ks:
-                raise ConfigError(f"config: arms[{i}].k must list at least one draft depth for arm {name!r}")
-            for j, k in enumerate(ks):
-                if k < 1:
-                    raise ConfigError(f"config: arms[{i}].k[{j}] must be ≥ 1 for arm {name!r} (got {k})")
-        if name in WINDOWED_ARMS:
-            for key in ("sink", "window"):
-                values = arm.get(key) or []
-                if not values:
-                    raise ConfigError(f"config: arms[{i}].{key} must be given for windowed arm {name!r}")
-            for j, s in enumerate(arm["sink"]):
-                if s < 0:
-                    raise ConfigError(f"config: arms[{i}].sink[{j}] must be ≥ 0 (got {s})")
-            for j, w in enumerate(arm["window"]):
-                if w < 1:
-                    raise ConfigError(f"config: arms[{i}].window[{j}] must be ≥ 1 (got {w})")
-        elif arm.get("sink") or arm.get("window"):
+
+
+def _check_arm(i: int, arm: Mapping[str, Any]) -> None:
+    name = arm["name"]
+    if name in DRAFTING_ARMS:
+        ks = arm.get("k") or []
+        if not ks:
+            raise ConfigError(f"config: arms[{i}].k must list at least one draft depth for arm {name!r}")
+        for j, k in enumerate(ks):
+            if k < 1:
+                raise ConfigError(f"config: arms[{i}].k[{j}] must be ≥ 1 for arm {name!r} (got {k})")
+    if name not in WINDOWED_ARMS:
+        if arm.get("sink") or arm.get("window"):
             raise ConfigError(f"config: arms[{i}]: sink/window only apply to windowed arms, not {name!r}")
-    protocol = raw["protocol"]
+        return
+    for key in ("sink", "window"):
+        if not arm.get(key):
+            raise ConfigError(f"config: arms[{i}].{key} must be given for windowed arm {name!r}")
+    for key, least in (("sink", 0), ("window", 1)):
+        for j, value in enumerate(arm[key]):
+            if value < least:
+                raise ConfigError(f"config: arms[{i}].{key}[{j}] must be ≥ {least} (got {value})")
+
+
+def _check_protocol(protocol: Mapping[str, Any], models: list[Mapping[str, Any]]) -> None:
     rungs = protocol["rungs"]
     repeats = protocol["repeats"]
     if isinstance(repeats, list) and len(repeats) != len(rungs):
@@ -280,6 +305,14 @@ def _semantic_checks(raw: Mapping[str, Any], base_dir: Path) -> None:
                 f"config: protocol.rungs[{j}] = {rung} is too short for the copy workload (a {COPY_LEAD_TOKENS}-"
                 f"token lead-in, a {COPY_PASSAGE_TOKENS}-token passage and its cue need ≥ {COPY_MIN_TOKENS} "
                 f"tokens); raise the rung or drop 'copy' from protocol.workloads")
+
+
+def _semantic_checks(raw: Mapping[str, Any], base_dir: Path) -> None:
+    _check_models(raw["models"], base_dir)
+    _check_engines(raw["engines"])
+    for i, arm in enumerate(raw["arms"]):
+        _check_arm(i, arm)
+    _check_protocol(raw["protocol"], raw["models"])
 
 
 def study_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".") -> Study:

@@ -6,11 +6,15 @@ rule cell:
         engine=lambda wc: engine_input(CELLS[wc.cell].engine),
         model=lambda wc: model_files(CELLS[wc.cell].model),
     output:
-        manifest=RESULTS / "raw" / "{cell}" / "manifest.json",
-        requests=RESULTS / "raw" / "{cell}" / "requests.parquet",
-        counters=RESULTS / "raw" / "{cell}" / "counters.parquet",
+        # Every file a complete cell leaves (wmtp.layout.RAW_SUCCESS_FILES); the manifest is written last.
+        requests=RAW_CELL / layout.REQUESTS_FILE,
+        counters=RAW_CELL / layout.COUNTERS_FILE,
+        energy=RAW_CELL / layout.ENERGY_FILE,
+        power=RAW_CELL / layout.POWER_FILE,
+        server_log=RAW_CELL / layout.SERVER_LOG,
+        manifest=RAW_CELL / layout.MANIFEST_FILE,
     log:
-        RESULTS / "logs" / "cells" / "{cell}.log",
+        LOGS / "cells" / "{cell}.log",
     params:
         py=PY,
         config=RESOLVED_CONFIG,

@@ -7,10 +7,10 @@ rule collect:
     output:
         tidy_tables(),
     log:
-        RESULTS / "logs" / "collect.log",
+        LOGS / "collect.log",
     params:
         py=PY,
-        out=RESULTS / "tidy",
+        out=layout.tidy_dir(RESULTS),
     localrule: True
     conda:
         "../envs/pipeline.yaml"

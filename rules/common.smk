@@ -1,11 +1,14 @@
 # Load and validate the study before anything runs; path helpers shared by every rule file.
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
+from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
+from wmtp import layout
 from wmtp.config import ConfigError, study_from_dict
 from wmtp.engines.build import engine_python, spec_hash
 
@@ -16,14 +19,22 @@ try:
 except ConfigError as err:
     raise WorkflowError(str(err)) from None
 
-PY = sys.executable
-RESULTS = Path(STUDY.results_dir) / STUDY.study
+# Under --sdm conda a rule must call the python of its conda environment (envs/*.yaml), which finds wmtp
+# on PYTHONPATH; otherwise the interpreter that runs Snakemake (the project's venv) has everything.
+if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method:
+    PY = f"env PYTHONPATH={shlex.quote(str(Path(workflow.basedir) / 'src'))} python"
+else:
+    PY = shlex.quote(sys.executable)
+RESULTS = layout.study_dir(STUDY.results_dir, STUDY.study)
 ENGINES = Path(STUDY.engines_dir)
 MODELS = Path(STUDY.models_dir)
 CELLS = {cell.cell_id: cell for cell in STUDY.cells()}
 
 # The validated study, as the `wmtp` command reads it (Snakemake's --config overrides included).
-RESOLVED_CONFIG = RESULTS / "study.json"
+LOGS = RESULTS / layout.LOGS_DIR
+# Where a cell's raw files go; the {cell} wildcard stands for the cell id.
+RAW_CELL = layout.cell_dir(RESULTS, "{cell}")
+RESOLVED_CONFIG = layout.study_file(RESULTS)
 _resolved = json.dumps(STUDY.model_dump(mode="json", exclude_none=True), indent=2, sort_keys=True)
 if not RESOLVED_CONFIG.exists() or RESOLVED_CONFIG.read_text() != _resolved:
     RESOLVED_CONFIG.parent.mkdir(parents=True, exist_ok=True)
@@ -31,13 +42,13 @@ if not RESOLVED_CONFIG.exists() or RESOLVED_CONFIG.read_text() != _resolved:
 
 
 wildcard_constraints:
-    cell=r"model~[^/]+/engine~[^/]+/arm~[^/]+(/k~\d+)?(/s~\d+/w~\d+)?/c~\d+",
-    engine=r"[A-Za-z0-9][A-Za-z0-9._-]*",
-    model=r"[A-Za-z0-9][A-Za-z0-9._-]*",
+    cell=layout.CELL_ID_PATTERN,
+    engine=layout.NAME_PATTERN,
+    model=layout.NAME_PATTERN,
 
 
 def engine_manifest(engine_name):
-    return ENGINES / engine_name / "manifest.json"
+    return ENGINES / engine_name / layout.MANIFEST_FILE
 
 
 def engine_input(engine_name):
@@ -75,16 +86,16 @@ def model_files(model_name):
 
 
 def cell_dir(cell_id):
-    return RESULTS / "raw" / cell_id
+    return layout.cell_dir(RESULTS, cell_id)
 
 
 def cell_manifests():
-    return [cell_dir(cell_id) / "manifest.json" for cell_id in CELLS]
+    return [cell_dir(cell_id) / layout.MANIFEST_FILE for cell_id in CELLS]
 
 
 def tidy_tables():
-    return [RESULTS / "tidy" / f"{name}.parquet" for name in ("requests", "rungs", "positions")]
+    return layout.tidy_files(RESULTS)
 
 
 def all_targets():
-    return [RESULTS / "report" / "index.html"]
+    return [layout.report_file(RESULTS)]

@@ -3,7 +3,7 @@
 
 rule engine:
     output:
-        ENGINES / "{engine}" / "manifest.json",
+        engine_manifest("{engine}"),
     log:
         ENGINES / "{engine}" / "build.snakemake.log",
     params:

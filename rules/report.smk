@@ -7,14 +7,14 @@ rule report:
         notebook="notebooks/report.ipynb",
         replica=REPLICA_RESULTS / "tidy" / "replica.parquet",
     output:
-        RESULTS / "report" / "index.html",
+        layout.report_file(RESULTS),
     log:
-        RESULTS / "logs" / "report.log",
+        LOGS / "report.log",
     params:
         py=PY,
         study=STUDY.study,
-        tidy=RESULTS / "tidy",
-        out=RESULTS / "report",
+        tidy=layout.tidy_dir(RESULTS),
+        out=layout.report_file(RESULTS).parent,
     localrule: True
     conda:
         "../envs/pipeline.yaml"

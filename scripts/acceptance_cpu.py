@@ -31,8 +31,9 @@ import pandas as pd
 import yaml
 
 from wmtp.client import complete
-from wmtp.config import REPO_ROOT, study_from_dict
-from wmtp.engines import vllm
+from wmtp.config import study_from_dict
+from wmtp.engines import ServeRequest, vllm
+from wmtp.layout import REPO_ROOT
 from wmtp.server import ServerProcess, free_port
 from wmtp.train import FIXTURE_DIR, heldout_text
 from wmtp.workload import Corpus, PromptFactory, copy_task_prompt
@@ -97,8 +98,8 @@ def run_arm(arm: str, sink: int | None, window: int | None, args, prompts: list[
     spec = study.engines[0]
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    argv = vllm.serve_argv(engine_python(), args.model, SERVED, port, max_model_len=args.max_model_len,
-                           arm=arm, k=args.k, sink=sink, window=window, engine_args=spec.serve_args)
+    argv = vllm.serve_argv(ServeRequest(engine_python(), args.model, SERVED, port, max_model_len=args.max_model_len,
+                                        arm=arm, k=args.k, sink=sink, window=window, engine_args=spec.serve_args))
     short_tmp = Path(tempfile.mkdtemp(prefix="wmtp-acc-"))
     env = vllm.server_env(spec.env, work / "cache", short_tmp)
     tag = arm if arm != "wmtp" else f"wmtp-s{sink}-w{window}"

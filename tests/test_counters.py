@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from wmtp.counters import CounterReset, delta, vllm_spec_counters
+from wmtp.counters import CounterReset, delta
+from wmtp.engines.vllm import spec_counters as vllm_spec_counters
 
 
 def test_parses_captured_vllm_metrics(repo):

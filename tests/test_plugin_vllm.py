@@ -488,6 +488,7 @@ def server_run(engine_python, zero_model, work, engine_env, engines) -> dict:
     """Arm wmtp on the all-zero lm_head model as a real OpenAI server; stopped before the tests read."""
     from wmtp.client import complete
     from wmtp.counters import delta
+    from wmtp.engines import ServeRequest
     from wmtp.engines import vllm as adapter
     from wmtp.server import ServerProcess, free_port, group_alive
 
@@ -495,8 +496,8 @@ def server_run(engine_python, zero_model, work, engine_env, engines) -> dict:
     run_dir.mkdir()
     port = free_port()
     sink, window = WINDOWS[0]
-    argv = adapter.serve_argv(engine_python, zero_model, "tiny", port, max_model_len=4096, arm="wmtp", k=K,
-                              sink=sink, window=window, engine_args=ENGINE_ARGS)
+    argv = adapter.serve_argv(ServeRequest(engine_python, zero_model, "tiny", port, max_model_len=4096, arm="wmtp",
+                                           k=K, sink=sink, window=window, engine_args=ENGINE_ARGS))
     env = {**engine_env, "WMTP_PLUGIN_TEST_DIR": str(run_dir)}
     server = ServerProcess(argv, env, run_dir / "server.log", f"http://127.0.0.1:{port}")
     prompts = _prompts()

@@ -16,16 +16,18 @@ import pytest
 
 from wmtp.client import complete
 from wmtp.config import Cell, EngineSpec, study_from_dict
-from wmtp.engines import adapter, sglang
+from wmtp.engines import ServeRequest, adapter, sglang
+from wmtp.engines.vllm import VLLMAdapter
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
 FAKE_SITE = FIXTURES / "fake_site"
 
 
 def _argv(arm: str, k: int = 3, sink: int | None = None, window: int | None = None, engine_args=None):
-    return sglang.serve_argv("/env/bin/python", "/models/q", "q", 8123, max_model_len=1_049_600, arm=arm, k=k,
-                             sink=sink, window=window, engine_args=engine_args or ["--mem-fraction-static", "0.8"],
-                             model_args=["--trust-remote-code"])
+    return sglang.serve_argv(ServeRequest("/env/bin/python", "/models/q", "q", 8123, max_model_len=1_049_600, arm=arm,
+                                          k=k, sink=sink, window=window,
+                                          engine_args=engine_args or ["--mem-fraction-static", "0.8"],
+                                          model_args=["--trust-remote-code"]))
 
 
 def _value(argv: list[str], flag: str) -> str:
@@ -33,7 +35,10 @@ def _value(argv: list[str], flag: str) -> str:
 
 
 def test_registered():
-    assert adapter("sglang") is sglang
+    assert isinstance(adapter("sglang"), sglang.SGLangAdapter)
+    assert isinstance(adapter("vllm"), VLLMAdapter)
+    with pytest.raises(ValueError, match="known: sglang, vllm"):
+        adapter("tensorrt")
 
 
 def test_none_arm_has_no_speculative_flags():

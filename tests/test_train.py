@@ -186,15 +186,15 @@ def _serve(python: str, arm: str, model_dir: Path, work: Path, requests: list[tu
 
     from wmtp.client import complete
     from wmtp.config import study_from_dict
-    from wmtp.engines import vllm
+    from wmtp.engines import ServeRequest, vllm
     from wmtp.server import ServerProcess, free_port, group_alive
 
     study = study_from_dict(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), base_dir=REPO)
     spec = study.engines[0]
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    argv = vllm.serve_argv(python, model_dir, "tiny", port, max_model_len=2048, arm=arm, k=K,
-                           sink=sink, window=window, engine_args=spec.serve_args)
+    argv = vllm.serve_argv(ServeRequest(python, model_dir, "tiny", port, max_model_len=2048, arm=arm, k=K,
+                                        sink=sink, window=window, engine_args=spec.serve_args))
     short_tmp = Path(tempfile.mkdtemp(prefix="wmtp-tt-"))
     env = vllm.server_env(spec.env, work / "cache", short_tmp)
     control_dir = work / f"control-{arm}"

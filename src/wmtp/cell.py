@@ -24,18 +24,18 @@ from typing import Any
 
 import httpx
 
-from wmtp import counters as counters_mod
+from wmtp import layout
 from wmtp.client import Completion, complete
-from wmtp.config import REPO_ROOT, Cell, Study
-from wmtp.engines import adapter
+from wmtp.config import Cell, Study
+from wmtp.counters import delta
+from wmtp.engines import EngineAdapter, ServeRequest, adapter
+from wmtp.layout import REPO_ROOT
 from wmtp.power import EnergyWindow, PowerMeter, open_meter
 from wmtp.server import ServerProcess, free_port
 from wmtp.workload import PromptFactory, workload_prompt
 
 log = logging.getLogger(__name__)
 
-SUCCESS_FILES = ("requests.parquet", "counters.parquet", "energy.parquet", "power.parquet", "server.log",
-                 "manifest.json")
 
 
 class PromptLengthMismatch(RuntimeError):
@@ -100,10 +100,10 @@ def _top2_gap(top: dict[int, float]) -> float:
 
 
 def _measure(run: CellRun, meter: PowerMeter, base_url: str, served: str, prompts: list[str], workload: str,
-             rung: int, repeat: int, max_tokens: int, warmup: bool, client: httpx.Client) -> list[dict[str, Any]]:
+             rung: int, repeat: int, max_tokens: int, warmup: bool, client: httpx.Client,
+             engine: EngineAdapter) -> list[dict[str, Any]]:
     """One repeat: ``len(prompts)`` concurrent requests. Energy windows per request at concurrency 1."""
     per_request_windows = len(prompts) == 1 and not warmup and meter.available
-    engine = adapter(run.study.engine(run.cell.engine).kind)
     results: list[Completion | BaseException | None] = [None] * len(prompts)
     windows: list[tuple[EnergyWindow | None, EnergyWindow | None]] = [(None, None)] * len(prompts)
 
@@ -123,7 +123,7 @@ def _measure(run: CellRun, meter: PowerMeter, base_url: str, served: str, prompt
                                      temperature=run.protocol.temperature,
                                      logprobs=2 if run.protocol.record_tokens else None,
                                      timeout_s=run.protocol.request_timeout_s, on_first_token=first_token,
-                                     client=client, extra_body=getattr(engine, "REQUEST_EXTRA", None))
+                                     client=client, extra_body=engine.request_extra)
             if per_request_windows:
                 windows[slot] = (prefill_w[0], meter.end_window(name + "/decode"))
         except BaseException as err:
@@ -151,13 +151,12 @@ def _measure(run: CellRun, meter: PowerMeter, base_url: str, served: str, prompt
         prefill_w, decode_w = windows[slot]
         run.windows += [w for w in (prefill_w, decode_w) if w is not None]
         rows.append(_request_row(run.cell, workload, rung, repeat, slot, warmup, result, prefill_w, decode_w))
-        if hasattr(engine, "request_fields"):  # per-request spec-decode counts (SGLang)
-            rows[-1].update(engine.request_fields(result.extensions))
+        rows[-1].update(engine.request_fields(result.extensions))
     return rows
 
 
-def _sweep_rung(run: CellRun, meter: PowerMeter, base_url: str, served: str, factory: PromptFactory, engine: Any,
-                client: httpx.Client, workload: str, rung: int, repeats: int) -> None:
+def _sweep_rung(run: CellRun, meter: PowerMeter, base_url: str, served: str, factory: PromptFactory,
+                engine: EngineAdapter, client: httpx.Client, workload: str, rung: int, repeats: int) -> None:
     """Every repeat of one (workload, rung), between two snapshots of the engine's counters."""
     protocol, c = run.protocol, run.cell.concurrency
     where = f"rung {rung}" if workload == "code" else f"rung {rung} ({workload})"
@@ -171,7 +170,7 @@ def _sweep_rung(run: CellRun, meter: PowerMeter, base_url: str, served: str, fac
         meter.begin_window(rung_window)
     for rep in range(repeats):
         rows = _measure(run, meter, base_url, served, prompts[rep], workload, rung, rep, protocol.output_tokens,
-                        False, client)
+                        False, client, engine)
         run.rows += rows
         tok_s = [(r["completion_tokens"] - 1) / r["decode_s"] for r in rows if r["decode_s"] > 0]
         log.info("%s repeat %d/%d: ttft %.2f s, decode %.1f tok/s", where, rep + 1, repeats,
@@ -180,19 +179,20 @@ def _sweep_rung(run: CellRun, meter: PowerMeter, base_url: str, served: str, fac
         run.windows.append(meter.end_window(rung_window))
     after = engine.read_counters(base_url)
     t_after = time.time()
-    if hasattr(engine, "counters_from_requests"):  # server counters cannot be differenced (SGLang)
-        measured = [r for r in run.rows if r["rung"] == rung and r["workload"] == workload and not r["warmup"]]
-        after = {**after, **engine.counters_from_requests(measured, run.cell.arm, run.cell.k)}
-    d = counters_mod.delta(before, after)
+    measured = [r for r in run.rows if r["rung"] == rung and r["workload"] == workload and not r["warmup"]]
+    from_requests = engine.counters_from_requests(measured, run.cell.arm, run.cell.k)
+    if from_requests is not None:  # server counters cannot be differenced (SGLang)
+        after = {**after, **from_requests}
+    d = delta(before, after)
     for name in sorted(set(before) | set(after)):
         run.counter_rows.append({"cell_id": run.cell.cell_id, "workload": workload, "rung": rung, "counter": name,
                                  "before": before.get(name, 0.0), "after": after.get(name, 0.0),
                                  "delta": d[name], "before_at": t_before, "after_at": t_after})
 
 
-def _sweep(run: CellRun, meter: PowerMeter, base_url: str, served: str, factory: PromptFactory) -> None:
+def _sweep(run: CellRun, meter: PowerMeter, base_url: str, served: str, factory: PromptFactory,
+           engine: EngineAdapter) -> None:
     protocol = run.protocol
-    engine = adapter(run.study.engine(run.cell.engine).kind)
     c = run.cell.concurrency
     client = httpx.Client(timeout=httpx.Timeout(protocol.request_timeout_s, connect=10.0),
                           limits=httpx.Limits(max_connections=max(4, 2 * c)))
@@ -201,7 +201,7 @@ def _sweep(run: CellRun, meter: PowerMeter, base_url: str, served: str, factory:
             prompt = factory.prompt(protocol.warmup_prompt_tokens, i, salt="warmup")
             log.info("warm-up %d/%d", i + 1, protocol.warmup_requests)
             run.rows += _measure(run, meter, base_url, served, [prompt], "code", protocol.warmup_prompt_tokens, i,
-                                 protocol.warmup_output_tokens, True, client)
+                                 protocol.warmup_output_tokens, True, client, engine)
         # Workloads interleave within a rung so that their comparison is not confounded by drift over the sweep.
         for rung, repeats in zip(protocol.rungs, protocol.repeats, strict=True):
             for workload in protocol.workloads:
@@ -221,7 +221,7 @@ def run_cell(run: CellRun) -> Path:
     """Run the cell; on success the raw files are in ``run.out_dir``. Raises on failure."""
     out_dir = run.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name in (*SUCCESS_FILES, "failure.json", "server.failed.log"):
+    for name in (*layout.RAW_SUCCESS_FILES, layout.FAILURE_FILE, layout.SERVER_FAILED_LOG):
         (out_dir / name).unlink(missing_ok=True)
     staging = out_dir / f".staging-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
@@ -237,11 +237,11 @@ def run_cell(run: CellRun) -> Path:
     served = cell.model
     python = run.engine_manifest["python"]
     engine = adapter(spec.kind)
-    if hasattr(engine, "check_cell"):
-        engine.check_cell(spec, run.engine_manifest, cell, [*spec.serve_args, *model.serve_args])
-    argv = engine.serve_argv(python, run.model_dir, served, port, max_model_len=model.max_model_len,
-                                   arm=cell.arm, k=cell.k, sink=cell.sink, window=cell.window,
-                                   engine_args=spec.serve_args, model_args=model.serve_args)
+    engine.check_cell(spec, run.engine_manifest, cell, [*spec.serve_args, *model.serve_args])
+    argv = engine.serve_argv(ServeRequest(
+        python=python, model_dir=run.model_dir, served_name=served, port=port, max_model_len=model.max_model_len,
+        arm=cell.arm, k=cell.k, sink=cell.sink, window=cell.window, engine_args=tuple(spec.serve_args),
+        model_args=tuple(model.serve_args)))
     short_tmp = Path(tempfile.mkdtemp(prefix="wmtp-"))
     env = engine.server_env(spec.env, cache_dir.resolve(), short_tmp)
     container_stop: list[str] | None = None
@@ -252,7 +252,8 @@ def run_cell(run: CellRun) -> Path:
         # A Docker container outlives a killed client: remove it by name when the cell ends.
         container_stop = container.stop_argv(spec.container_runtime or container.default_runtime(spec.image),
                                              f"wmtp-{port}")
-    server = ServerProcess(argv, env, staging / "server.log", base_url, engine.HEALTH_PATH)
+    server = ServerProcess(argv, env, staging / layout.SERVER_LOG, base_url, engine.health_path,
+                           make_dirs=[env[k] for k in ("TMPDIR", *engine.cache_env) if k in env])
     meter = open_meter(run.gpu_index)
     manifest: dict[str, Any] = {
         "cell": cell.model_dump(mode="json"), "cell_id": cell.cell_id, "study": study.study,
@@ -285,30 +286,30 @@ def run_cell(run: CellRun) -> Path:
             healthy_s = server.wait_healthy(study.protocol.health_timeout_s)
             manifest["server_ready_s"] = round(healthy_s, 1)
             log.info("server healthy after %.0f s", healthy_s)
-            _sweep(run, meter, base_url, served, factory)
+            _sweep(run, meter, base_url, served, factory, engine)
         manifest["exit_status"] = server.stop()
         manifest["gpu_at_end"] = meter.info()
         manifest["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         manifest["duration_s"] = round(time.monotonic() - started, 1)
-        _write_parquet(run.rows, staging / "requests.parquet")
-        _write_parquet(run.counter_rows, staging / "counters.parquet")
+        _write_parquet(run.rows, staging / layout.REQUESTS_FILE)
+        _write_parquet(run.counter_rows, staging / layout.COUNTERS_FILE)
         _write_parquet([{"cell_id": cell.cell_id, **w.to_dict()} for w in run.windows],
-                       staging / "energy.parquet", columns=["cell_id", "name", "energy_j"])
-        _write_parquet(meter.samples(), staging / "power.parquet", columns=["t_s", "power_w"])
-        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
-        for name in SUCCESS_FILES:  # manifest.json last: its presence means the cell is complete
+                       staging / layout.ENERGY_FILE, columns=["cell_id", "name", "energy_j"])
+        _write_parquet(meter.samples(), staging / layout.POWER_FILE, columns=["t_s", "power_w"])
+        (staging / layout.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, default=str))
+        for name in layout.RAW_SUCCESS_FILES:  # manifest.json last: its presence means the cell is complete
             os.replace(staging / name, out_dir / name)
         return out_dir
     except BaseException as err:
         failure = {"cell_id": cell.cell_id, "error": type(err).__name__, "message": str(err),
                    "traceback": traceback.format_exc(), "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   "server_log": str(out_dir / "server.failed.log"), "manifest": manifest}
+                   "server_log": str(out_dir / layout.SERVER_FAILED_LOG), "manifest": manifest}
         server.stop()
-        if (staging / "server.log").exists():
-            os.replace(staging / "server.log", out_dir / "server.failed.log")
-        (out_dir / "failure.json").write_text(json.dumps(failure, indent=2, default=str))
+        if (staging / layout.SERVER_LOG).exists():
+            os.replace(staging / layout.SERVER_LOG, out_dir / layout.SERVER_FAILED_LOG)
+        (out_dir / layout.FAILURE_FILE).write_text(json.dumps(failure, indent=2, default=str))
         log.error("cell %s failed: %s: %s (details in %s)", cell.cell_id, type(err).__name__, err,
-                  out_dir / "failure.json")
+                  out_dir / layout.FAILURE_FILE)
         raise
     finally:
         server.stop()

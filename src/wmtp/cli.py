@@ -8,7 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
-from wmtp.config import REPO_ROOT, Cell, ConfigError, load_study
+from wmtp.config import Cell, ConfigError, load_study
+from wmtp.layout import REPO_ROOT
 
 
 def _setup_logging(log_file: Path | None) -> None:

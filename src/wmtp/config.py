@@ -17,9 +17,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from wmtp.layout import REPO_ROOT, CellIdError, CellKey, format_cell_id, parse_cell_id
 from wmtp.workload import COPY_LEAD_TOKENS, COPY_MIN_TOKENS, COPY_PASSAGE_TOKENS
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "config" / "schemas" / "config.schema.yaml"
 
 ARMS = ("none", "mtp", "wmtp", "wmtp-ring")
@@ -160,13 +160,9 @@ class Cell(_Strict):
 
     @property
     def cell_id(self) -> str:
-        parts = [f"model~{self.model}", f"engine~{self.engine}", f"arm~{self.arm}"]
-        if self.arm in DRAFTING_ARMS:
-            parts.append(f"k~{self.k}")
-        if self.arm in WINDOWED_ARMS:
-            parts += [f"s~{self.sink}", f"w~{self.window}"]
-        parts.append(f"c~{self.concurrency}")
-        return "/".join(parts)
+        key = CellKey(model=self.model, engine=self.engine, arm=self.arm, k=self.k, sink=self.sink,
+                      window=self.window, concurrency=self.concurrency)
+        return format_cell_id(key, drafting=self.arm in DRAFTING_ARMS, windowed=self.arm in WINDOWED_ARMS)
 
     @property
     def ring(self) -> bool:
@@ -174,15 +170,12 @@ class Cell(_Strict):
 
     @classmethod
     def from_id(cls, study: str, cell_id: str) -> Cell:
-        fields: dict[str, Any] = {"study": study}
-        names = {"model": "model", "engine": "engine", "arm": "arm", "k": "k", "s": "sink",
-                 "w": "window", "c": "concurrency"}
-        for part in cell_id.strip("/").split("/"):
-            key, sep, value = part.partition("~")
-            if not sep or key not in names:
-                raise ConfigError(f"cell id {cell_id!r}: cannot read part {part!r}")
-            fields[names[key]] = value
-        return cls(**fields)
+        try:
+            key = parse_cell_id(cell_id)
+        except CellIdError as err:
+            raise ConfigError(str(err)) from None
+        return cls(study=study, model=key.model, engine=key.engine, arm=key.arm, k=key.k, sink=key.sink,
+                   window=key.window, concurrency=key.concurrency)
 
 
 def expand_cells(study: Study) -> Iterator[Cell]:

@@ -34,15 +34,14 @@ import numpy as np
 import pandas as pd
 
 from wmtp import analysis as an
+from wmtp.layout import REPO_ROOT, TIDY_TABLES
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = REPO_ROOT / "notebooks" / "report.ipynb"
 PUBLISHED_DIR = REPO_ROOT / "config" / "published"
 PAPER_STUDY = "windowed-mtp-paper"
 
-TIDY_TABLES = ("requests", "rungs", "positions")
 
 NOTE_NO_POWER = "not measured: no NVML on this machine"
 NOTE_RELATIVE_POWER = (

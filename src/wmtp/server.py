@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -47,8 +48,10 @@ class ServerProcess:
     """Start ``argv`` in its own process group; ``stop()`` ends the whole group."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, base_url: str,
-                 health_path: str = "/health"):
+                 health_path: str = "/health", make_dirs: Sequence[str] = ()):
         self.argv = argv
+        # Directories the server expects to exist (its temp and cache folders, as its adapter names them).
+        self.make_dirs = tuple(make_dirs)
         self.env = env
         self.log_path = log_path
         self.base_url = base_url
@@ -57,9 +60,8 @@ class ServerProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        for key in ("TMPDIR", "VLLM_CACHE_ROOT"):
-            if key in self.env:
-                Path(self.env[key]).mkdir(parents=True, exist_ok=True)
+        for directory in self.make_dirs:
+            Path(directory).mkdir(parents=True, exist_ok=True)
         log_file = self.log_path.open("ab")
         full_env = {**os.environ, **self.env}
         log.info("starting server: %s", " ".join(self.argv))

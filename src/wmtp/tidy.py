@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from wmtp import analysis
+from wmtp.layout import COUNTERS_FILE, MANIFEST_FILE, REQUESTS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +30,8 @@ def _cell_keys(manifest: dict) -> dict:
 
 
 def request_table(cell_dir: Path) -> pd.DataFrame:
-    manifest = json.loads((cell_dir / "manifest.json").read_text())
-    frame = pd.read_parquet(cell_dir / "requests.parquet")
+    manifest = json.loads((cell_dir / MANIFEST_FILE).read_text())
+    frame = pd.read_parquet(cell_dir / REQUESTS_FILE)
     frame = frame[~frame["warmup"]].copy()
     if "workload" not in frame.columns:
         frame["workload"] = DEFAULT_WORKLOAD
@@ -48,7 +49,7 @@ def request_table(cell_dir: Path) -> pd.DataFrame:
 
 def counter_deltas(cell_dir: Path) -> pd.DataFrame:
     """One row per (workload, rung) with one column per counter delta."""
-    frame = pd.read_parquet(cell_dir / "counters.parquet")
+    frame = pd.read_parquet(cell_dir / COUNTERS_FILE)
     if frame.empty:
         return pd.DataFrame(columns=RUNG_KEYS)
     if "workload" not in frame.columns:
@@ -120,8 +121,8 @@ def collect(cell_dirs: list[Path], out_dir: Path) -> dict[str, pd.DataFrame]:
     out_dir.mkdir(parents=True, exist_ok=True)
     requests, rungs, deltas_by_cell = [], [], {}
     for cell_dir in cell_dirs:
-        if not (cell_dir / "manifest.json").exists():
-            raise FileNotFoundError(f"{cell_dir} has no manifest.json: the cell did not complete")
+        if not (cell_dir / MANIFEST_FILE).exists():
+            raise FileNotFoundError(f"{cell_dir} has no {MANIFEST_FILE}: the cell did not complete")
         req = request_table(cell_dir)
         deltas = counter_deltas(cell_dir)
         deltas_by_cell[req["cell_id"].iloc[0]] = deltas

@@ -43,12 +43,13 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from wmtp.layout import REPO_ROOT
 from wmtp.tiny import TinyShape, qwen3_next_config, train_tokenizer, write_checkpoint
 from wmtp.workload import corpus_files
 
 log = logging.getLogger(__name__)
 
-FIXTURE_DIR = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "tiny-trained"
+FIXTURE_DIR = REPO_ROOT / "tests" / "fixtures" / "tiny-trained"
 MANIFEST = "wmtp-model.json"
 HELDOUT_EVERY = 20  # one file in 20, chosen by a hash of its path under the standard library
 

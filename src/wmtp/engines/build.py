@@ -16,8 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from wmtp.config import REPO_ROOT, EngineSpec
+from wmtp.config import EngineSpec
 from wmtp.engines import adapter
+from wmtp.layout import REPO_ROOT
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def _find_base_python(version: str) -> str:
 def probe(python: str, spec: EngineSpec) -> dict:
     """Import the engine inside its environment; check plugin entry point and hook points."""
     env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), **spec.env}
-    proc = subprocess.run([python, "-c", adapter(spec.kind).VERSION_PROBE], capture_output=True, text=True,
+    proc = subprocess.run([python, "-c", adapter(spec.kind).version_probe], capture_output=True, text=True,
                           env=env, check=False, timeout=600)
     for line in proc.stdout.splitlines():
         if line.startswith("WMTP-PROBE "):

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-from wmtp.config import REPO_ROOT
+from wmtp.layout import REPO_ROOT
 
 Runtime = Literal["docker", "apptainer"]
 PROBE_PREFIX = "WMTP-PROBE "
@@ -284,7 +284,7 @@ def engine_manifest(spec, engine_dir: Path, spec_hash: str) -> dict:
     started = time.time()
     digest = image_digest(runtime, spec.image, exe)
     python = spec.python or "python3"
-    info = probe(adapter(spec.kind).VERSION_PROBE, runtime=runtime, image=spec.image,
+    info = probe(adapter(spec.kind).version_probe, runtime=runtime, image=spec.image,
                  work_dir=engine_dir / "probe", env=spec.env, python=python)
     return {
         "engine": spec.name, "kind": spec.kind, "source": "container", "spec": spec.model_dump(mode="json"),

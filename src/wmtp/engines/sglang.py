@@ -42,6 +42,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from wmtp.engines.base import EngineAdapter, ServeRequest
+
 HEALTH_PATH = "/health"
 # The first sglang release whose server args have both window flags (checked in the 0.5.17–0.5.21
 # wheels: 0.5.19 and 0.5.20 had --speculative-draft-window-size for EAGLE-3/DFLASH only, no sink).
@@ -121,16 +123,14 @@ def speculative_args(arm: str, k: int, sink: int | None, window: int | None,
     return args
 
 
-def serve_argv(python: str, model_dir: Path | str, served_name: str, port: int, *, max_model_len: int,
-               arm: str, k: int, sink: int | None = None, window: int | None = None,
-               engine_args: list[str] | None = None, model_args: list[str] | None = None,
-               host: str = "127.0.0.1") -> list[str]:
+def serve_argv(request: ServeRequest) -> list[str]:
     """The server command as a list (never a shell string)."""
-    extra = list(engine_args or []) + list(model_args or [])
-    argv = [python, "-m", "sglang.launch_server",
-            "--model-path", str(model_dir), "--served-model-name", served_name,
-            "--host", host, "--port", str(port), "--context-length", str(max_model_len)]
-    return argv + extra + speculative_args(arm, k, sink, window, extra)
+    r = request
+    extra = list(r.engine_args) + list(r.model_args)
+    argv = [r.python, "-m", "sglang.launch_server",
+            "--model-path", str(r.model_dir), "--served-model-name", r.served_name,
+            "--host", r.host, "--port", str(r.port), "--context-length", str(r.max_model_len)]
+    return argv + extra + speculative_args(r.arm, r.k, r.sink, r.window, extra)
 
 
 def server_env(engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path | None = None) -> dict[str, str]:
@@ -253,3 +253,29 @@ VERSION_PROBE = (
     "    info['cli_check_error'] = repr(err)[:300]\n"
     "print('WMTP-PROBE ' + json.dumps(info))\n"
 )
+
+
+class SGLangAdapter(EngineAdapter):
+    kind = "sglang"
+    health_path = HEALTH_PATH
+    version_probe = VERSION_PROBE
+    request_extra = REQUEST_EXTRA
+    cache_env = ("TRITON_CACHE_DIR", "XDG_CACHE_HOME")
+
+    def serve_argv(self, request: ServeRequest) -> list[str]:
+        return serve_argv(request)
+
+    def server_env(self, engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path) -> dict[str, str]:
+        return server_env(engine_env, work_dir, tmp_dir)
+
+    def read_counters(self, base_url: str) -> dict[str, float]:
+        return read_counters(base_url)
+
+    def check_cell(self, spec: Any, engine_manifest: Mapping[str, Any], cell: Any, extra_args: Sequence[str]) -> None:
+        check_cell(spec, engine_manifest, cell, extra_args)
+
+    def request_fields(self, extensions: Mapping[str, Any]) -> dict[str, Any]:
+        return request_fields(extensions)
+
+    def counters_from_requests(self, rows: Sequence[Mapping[str, Any]], arm: str, k: int) -> dict[str, float]:
+        return counters_from_requests(rows, arm, k)

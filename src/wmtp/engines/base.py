@@ -1,0 +1,68 @@
+"""The interface every engine adapter implements, and what a server start is asked for."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    """One server start: which interpreter serves which model, on which port, with which draft."""
+
+    python: str
+    model_dir: Path | str
+    served_name: str
+    port: int
+    max_model_len: int
+    arm: str
+    k: int = 0
+    sink: int | None = None
+    window: int | None = None
+    engine_args: Sequence[str] = field(default_factory=tuple)
+    model_args: Sequence[str] = field(default_factory=tuple)
+    host: str = "127.0.0.1"
+
+
+class EngineAdapter(ABC):
+    """What the pipeline needs of an engine: a server command, its environment, and its counters.
+
+    The defaults suit an engine whose server counters can be differenced over a rung (vLLM); an engine
+    that counts per response instead (SGLang) overrides ``request_fields`` and ``counters_from_requests``.
+    """
+
+    kind: ClassVar[str]
+    health_path: ClassVar[str] = "/health"
+    # Python source that prints ``WMTP-PROBE <json>`` inside the engine's environment (the build's self-check).
+    version_probe: ClassVar[str]
+    # Fields added to every request body.
+    request_extra: ClassVar[Mapping[str, Any] | None] = None
+    # Environment variables that must point into the cell's own directories, never a shared default.
+    cache_env: ClassVar[tuple[str, ...]] = ()
+
+    @abstractmethod
+    def serve_argv(self, request: ServeRequest) -> list[str]:
+        """The server command as a list (never a shell string)."""
+
+    @abstractmethod
+    def server_env(self, engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path) -> dict[str, str]:
+        """The server's environment: the engine's own settings, caches under ``work_dir``, temp in ``tmp_dir``."""
+
+    @abstractmethod
+    def read_counters(self, base_url: str) -> dict[str, float]:
+        """Cumulative spec-decode counters of a running server, by short name (drafts, accepted, …)."""
+
+    def check_cell(self, spec: Any, engine_manifest: Mapping[str, Any], cell: Any, extra_args: Sequence[str]) -> None:
+        """Refuse a cell before its server starts (raise with the reason); accept by default."""
+        return None
+
+    def request_fields(self, extensions: Mapping[str, Any]) -> dict[str, Any]:
+        """Columns of requests.parquet taken from a response's non-OpenAI fields."""
+        return {}
+
+    def counters_from_requests(self, rows: Sequence[Mapping[str, Any]], arm: str, k: int) -> dict[str, float] | None:
+        """A rung's counters from its measured rows, where server counters cannot be differenced; else None."""
+        return None

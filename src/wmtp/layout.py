@@ -1,0 +1,117 @@
+"""The on-disk contract: where a study's files live, what they are called, and how a cell is named.
+
+Every stage reads and writes through these names, and so do the rules (``rules/common.smk``): a file name
+or the cell id format changes here or nowhere. The tree of one study::
+
+    <results_dir>/<study>/
+        study.json                  the validated study, as the ``wmtp`` command reads it
+        raw/<cell id>/              one cell: RAW_SUCCESS_FILES, or FAILURE_FILE (+ SERVER_FAILED_LOG)
+        tidy/<table>.parquet        TIDY_TABLES, derived from every complete cell
+        report/index.html           the rendered report
+        logs/                       one log per job
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+STUDY_FILE = "study.json"
+RAW_DIR = "raw"
+TIDY_DIR = "tidy"
+REPORT_DIR = "report"
+LOGS_DIR = "logs"
+REPORT_FILE = "index.html"
+
+REQUESTS_FILE = "requests.parquet"
+COUNTERS_FILE = "counters.parquet"
+ENERGY_FILE = "energy.parquet"
+POWER_FILE = "power.parquet"
+SERVER_LOG = "server.log"
+MANIFEST_FILE = "manifest.json"
+# A cell is complete when all of these exist; the manifest is moved into place last.
+RAW_SUCCESS_FILES = (REQUESTS_FILE, COUNTERS_FILE, ENERGY_FILE, POWER_FILE, SERVER_LOG, MANIFEST_FILE)
+FAILURE_FILE = "failure.json"
+SERVER_FAILED_LOG = "server.failed.log"
+
+TIDY_TABLES = ("requests", "rungs", "positions")
+
+# Cell ids: "model~M/engine~E/arm~A[/k~K][/s~S/w~W]/c~C". k appears for drafting arms, s and w for
+# windowed ones, so an id names exactly the settings that matter to its arm.
+CELL_ID_PATTERN = r"model~[^/]+/engine~[^/]+/arm~[^/]+(/k~\d+)?(/s~\d+/w~\d+)?/c~\d+"
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+_CELL_ID = re.compile(CELL_ID_PATTERN)
+_ID_KEYS = {"model": "model", "engine": "engine", "arm": "arm", "k": "k", "s": "sink", "w": "window",
+            "c": "concurrency"}
+
+
+class CellIdError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class CellKey:
+    """What a cell id encodes; ``k`` is 0 and ``sink``/``window`` are None where the arm has none."""
+
+    model: str
+    engine: str
+    arm: str
+    k: int = 0
+    sink: int | None = None
+    window: int | None = None
+    concurrency: int = 1
+
+
+def format_cell_id(key: CellKey, drafting: bool, windowed: bool) -> str:
+    parts = [f"model~{key.model}", f"engine~{key.engine}", f"arm~{key.arm}"]
+    if drafting:
+        parts.append(f"k~{key.k}")
+    if windowed:
+        parts += [f"s~{key.sink}", f"w~{key.window}"]
+    parts.append(f"c~{key.concurrency}")
+    return "/".join(parts)
+
+
+def parse_cell_id(cell_id: str) -> CellKey:
+    """The inverse of :func:`format_cell_id`; refuses anything the pattern does not match."""
+    text = cell_id.strip("/")
+    if not _CELL_ID.fullmatch(text):
+        raise CellIdError(f"cell id {cell_id!r} is not of the form {CELL_ID_PATTERN}")
+    fields: dict[str, str] = {}
+    for part in text.split("/"):
+        key, _, value = part.partition("~")
+        fields[_ID_KEYS[key]] = value
+    numbers = {name: int(fields[name]) for name in ("k", "sink", "window", "concurrency") if name in fields}
+    return CellKey(model=fields["model"], engine=fields["engine"], arm=fields["arm"], **numbers)
+
+
+def study_dir(results_dir: Path | str, study: str) -> Path:
+    return Path(results_dir) / study
+
+
+def study_file(results: Path) -> Path:
+    return results / STUDY_FILE
+
+
+def cell_dir(results: Path, cell_id: str) -> Path:
+    return results / RAW_DIR / cell_id
+
+
+def raw_files(results: Path, cell_id: str) -> dict[str, Path]:
+    """Every file a complete cell leaves, by name."""
+    return {name: cell_dir(results, cell_id) / name for name in RAW_SUCCESS_FILES}
+
+
+def tidy_dir(results: Path) -> Path:
+    return results / TIDY_DIR
+
+
+def tidy_files(results: Path) -> list[Path]:
+    return [tidy_dir(results) / f"{name}.parquet" for name in TIDY_TABLES]
+
+
+def report_file(results: Path) -> Path:
+    return results / REPORT_DIR / REPORT_FILE

@@ -1,4 +1,4 @@
-"""Derived quantities of the Spark study (DESIGN.md, "Formulas"). Pure functions, no I/O.
+"""Derived quantities of the Spark study (docs/design.md, "Formulas"). Pure functions, no I/O.
 
 Three layers, each usable alone:
 
@@ -149,7 +149,7 @@ def cost_side_wedge(step_nat_ms: float, step_win_ms: float) -> float:
 
 @dataclass(frozen=True)
 class DraftTax:
-    """Draft-tax decomposition between two rungs (DESIGN.md, seed 000's "The tax is real").
+    """Draft-tax decomposition between two rungs (docs/design.md, "Draft tax"; the Spark study's "The tax is real").
 
     ``draft_growth_ms`` = growth of the verify cycle − growth of the plain decode step;
     ``per_step_ms`` = draft_growth_ms / k; ``share`` = per_step_ms / target_growth_ms.
@@ -174,7 +174,7 @@ def draft_tax(target_from_ms: float, target_to_ms: float, cycle_from_ms: float, 
     """Decompose a drafting arm's cycle growth into the target's and the draft's share.
 
     ``target_*`` are the no-draft arm's cycleMs (one target forward) at the two rungs, ``cycle_*`` the
-    drafting arm's full verify cycle. Seed 000: 14.14 → 19.84 and 31.16 → 38.35 at k = 3 give
+    drafting arm's full verify cycle. The Spark study: 14.14 → 19.84 and 31.16 → 38.35 at k = 3 give
     ≈ 0.50 ms per draft step and ≈ 8.8 % of the target's growth.
     """
     if k < 1:
@@ -315,7 +315,7 @@ def speedup_change_ci(
     level: float = DEFAULT_LEVEL,
     seed: int = DEFAULT_SEED,
 ) -> CI:
-    """Change of the speedup from one rung to another (seed 000: +0.080 ± 0.032 from 2K to 131K)."""
+    """Change of the speedup from one rung to another (the Spark study: +0.080 ± 0.032 from 2K to 131K)."""
     point, reps = bootstrap_replicates(
         [base_from, arm_from, base_to, arm_to], _ratio_change, statistic=statistic, n_boot=n_boot, seed=seed
     )

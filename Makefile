@@ -27,7 +27,8 @@ test: $(VENV)/.installed engine
 	$(VENV)/bin/pytest
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests scripts
+	$(VENV)/bin/ruff check src tests scripts
 	$(VENV)/bin/snakemake --lint
 
 clean-results:

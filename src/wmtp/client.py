@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -44,6 +44,17 @@ def _token_id(token: str) -> int:
 _OPENAI_KEYS = frozenset({"id", "object", "created", "model", "choices", "usage", "system_fingerprint"})
 
 
+def _events(lines: Iterable[str]) -> Iterator[dict]:
+    """The JSON payloads of a server-sent event stream, up to ``[DONE]``."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        yield json.loads(payload)
+
+
 def complete(base_url: str, model: str, prompt: str | list[int], max_tokens: int, *, temperature: float = 0.0,
              logprobs: int | None = None, ignore_eos: bool = True, timeout_s: float = 600.0,
              on_first_token: Callable[[], None] | None = None,
@@ -75,13 +86,7 @@ def complete(base_url: str, model: str, prompt: str | list[int], max_tokens: int
             if response.status_code != 200:
                 response.read()
                 raise RequestError(f"server answered {response.status_code}: {response.text[:500]}")
-            for line in response.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    break
-                chunk = json.loads(payload)
+            for chunk in _events(response.iter_lines()):
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 extensions.update({k: v for k, v in chunk.items() if k not in _OPENAI_KEYS and v is not None})

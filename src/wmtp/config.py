@@ -18,7 +18,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from wmtp.layout import REPO_ROOT, CellIdError, CellKey, format_cell_id, parse_cell_id
-from wmtp.workload import COPY_LEAD_TOKENS, COPY_MIN_TOKENS, COPY_PASSAGE_TOKENS
 
 SCHEMA_PATH = REPO_ROOT / "config" / "schemas" / "config.schema.yaml"
 
@@ -26,6 +25,14 @@ ARMS = ("none", "mtp", "wmtp", "wmtp-ring")
 DRAFTING_ARMS = ("mtp", "wmtp", "wmtp-ring")
 WINDOWED_ARMS = ("wmtp", "wmtp-ring")
 ENGINE_KINDS = ("vllm", "sglang")
+# What the protocol's ``workloads`` may name: plain code (the Spark study's) and the hard / low-acceptance copy task,
+# whose prompt is a lead-in, a passage, filler, then the passage's first tokens as a cue.
+WORKLOADS = ("code", "copy")
+COPY_LEAD_TOKENS = 512
+COPY_PASSAGE_TOKENS = 256
+COPY_CUE_TOKENS = 32
+# The shortest prompt a copy task fits in with its defaults: lead-in, passage, cue, separators and filler.
+COPY_MIN_TOKENS = COPY_LEAD_TOKENS + COPY_PASSAGE_TOKENS + COPY_CUE_TOKENS + 64
 
 
 class ConfigError(ValueError):

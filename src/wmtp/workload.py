@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-# What the protocol's ``workloads`` may name: plain code (the Spark study's) and the hard / low-acceptance copy task.
-WORKLOADS = ("code", "copy")
-COPY_LEAD_TOKENS = 512
-COPY_PASSAGE_TOKENS = 256
-COPY_CUE_TOKENS = 32
-# The shortest prompt a copy task fits in with its defaults: lead-in, passage, cue, separators and filler.
-COPY_MIN_TOKENS = COPY_LEAD_TOKENS + COPY_PASSAGE_TOKENS + COPY_CUE_TOKENS + 64
+# The workloads and the copy task's shape are the protocol's: wmtp.config owns them and validates against them.
+from wmtp.config import (
+    COPY_CUE_TOKENS,
+    COPY_LEAD_TOKENS,
+    COPY_PASSAGE_TOKENS,
+    WORKLOADS,
+)
 
 _SKIP_PARTS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 

@@ -151,12 +151,6 @@ def test_integrate_power_j_clips_with_interpolated_edges():
     assert power.integrate_power_j([0, 1], [10, 10], start_s=3, end_s=4) is None
 
 
-def test_tokens_per_joule():
-    assert power.tokens_per_joule(300, 150.0) == 2.0
-    assert power.tokens_per_joule(300, None) is None
-    assert power.tokens_per_joule(300, 0.0) is None
-
-
 @pytest.mark.parametrize(
     ("value", "expected"),
     [

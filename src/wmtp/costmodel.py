@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from wmtp.analysis import cost_side_ratio
+
 Arm = Literal["none", "mtp", "wmtp"]
 StateWrites = Literal["per_token", "final"]
 
@@ -569,7 +571,7 @@ class Prediction:
     @property
     def ratio(self) -> float:
         """step_nat / step_win (the paper's cost-side speedup)."""
-        return self.native.time_s / self.windowed.time_s
+        return cost_side_ratio(self.native.time_s, self.windowed.time_s)
 
     @property
     def draft_kv_share(self) -> float:

@@ -110,13 +110,6 @@ def integrate_power_j(
     return sum((t1 - t0) * (p0 + p1) / 2.0 for (t0, p0), (t1, p1) in itertools.pairwise(clipped))
 
 
-def tokens_per_joule(tokens: float, energy_j: float | None) -> float | None:
-    """Generated tokens per joule; None when the energy is unknown or not positive."""
-    if energy_j is None or energy_j <= 0 or math.isnan(energy_j):
-        return None
-    return tokens / energy_j
-
-
 def gpu_selector(cuda_visible_devices: str | None) -> int | str:
     """Which NVML device ``CUDA_VISIBLE_DEVICES`` points at: an index, or a UUID (``GPU-…``/``MIG-…``).
 

@@ -56,9 +56,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wmtp import costmodel as cm
+from wmtp.analysis import cost_side_ratio
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 try:  # the tidy step runs without torch
     import torch
@@ -1591,7 +1595,7 @@ def sweep_model(
                     **row,
                     "step_nat_ms": step_ms["mtp"],
                     "step_win_ms": step_ms["wmtp"],
-                    "ratio": step_ms["mtp"] / step_ms["wmtp"],
+                    "ratio": cost_side_ratio(step_ms["mtp"], step_ms["wmtp"]),
                     "predicted_ratio": p.ratio,
                     "predicted_nat_ms": p.native.time_s * 1e3,
                     "predicted_win_ms": p.windowed.time_s * 1e3,
@@ -1730,6 +1734,14 @@ def print_summary(out: Path) -> None:
 # ============================================================================================
 
 
+
+def _cost_side_ratios(nat: pd.DataFrame, win: pd.DataFrame, column: str) -> pd.Series:
+    """Native over windowed step time, row by row on the native rows' index."""
+    import pandas as pd
+
+    windowed = win[column].reindex(nat.index)
+    return pd.Series([cost_side_ratio(n, w) for n, w in zip(nat[column], windowed, strict=True)], index=nat.index)
+
 def tidy(raw: Path, models_dir: Path, out: Path, bandwidth: float | None = None) -> int:
     """Measured steps next to the cost model; one row per (model, context, k, arm).
 
@@ -1779,9 +1791,9 @@ def tidy(raw: Path, models_dir: Path, out: Path, bandwidth: float | None = None)
     win = df[df.arm == "wmtp"].set_index(["model", "context", "k"])
     ratios = pd.concat(
         [
-            (nat["measured_ms"] / win["measured_ms"]).rename("measured_ratio"),
-            (nat["predicted_ms"] / win["predicted_ms"]).rename("predicted_ratio"),
-            (nat["anchored_ms"] / win["anchored_ms"]).rename("anchored_ratio"),
+            _cost_side_ratios(nat, win, "measured_ms").rename("measured_ratio"),
+            _cost_side_ratios(nat, win, "predicted_ms").rename("predicted_ratio"),
+            _cost_side_ratios(nat, win, "anchored_ms").rename("anchored_ratio"),
         ],
         axis=1,
     )

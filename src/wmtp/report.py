@@ -163,7 +163,7 @@ def normalise_replica(frame: pd.DataFrame) -> pd.DataFrame:
     if "ratio" not in out.columns and "measured_ratio" in out.columns:
         out = out.rename(columns={"measured_ratio": "ratio"})
     if "ratio" not in out.columns and {"step_nat_ms", "step_win_ms"} <= set(out.columns):
-        out["ratio"] = out["step_nat_ms"] / out["step_win_ms"]
+        out["ratio"] = [an.cost_side_ratio(n, w) for n, w in zip(out["step_nat_ms"], out["step_win_ms"], strict=True)]
     if "ratio" not in out.columns or "context" not in out.columns:
         return pd.DataFrame()
     keys = [c for c in ("model", "context", "k", "sink", "window", "backend") if c in out.columns]

@@ -7,7 +7,6 @@ import logging
 import math
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from wmtp import analysis
@@ -41,7 +40,7 @@ def request_table(cell_dir: Path) -> pd.DataFrame:
                              zip(frame["completion_tokens"], frame["e2e_s"], frame["ttft_s"], strict=True)]
     frame["prefill_tok_s"] = [analysis.prefill_tok_s(p, t) for p, t in
                               zip(frame["prompt_tokens"], frame["ttft_s"], strict=True)]
-    frame["tok_per_j"] = [(c - 1) / e if e is not None and not pd.isna(e) and e > 0 else np.nan
+    frame["tok_per_j"] = [analysis.tok_per_j(c - 1, None if pd.isna(e) else float(e))
                           for c, e in zip(frame["completion_tokens"], frame["energy_decode_j"], strict=True)]
     frame["power_status"] = manifest.get("power_status", "unavailable")
     return frame
@@ -93,8 +92,8 @@ def rung_table(requests: pd.DataFrame, deltas: pd.DataFrame) -> pd.DataFrame:
             cycle_ms=analysis.cycle_ms(tpv, decode),
             energy_decode_j=energy,
             decode_window_s=window_s,
-            tok_per_j=generated / energy if energy and not math.isnan(energy) and energy > 0 else math.nan,
-            power_w=energy / window_s if not math.isnan(energy) and window_s > 0 else math.nan,
+            tok_per_j=analysis.tok_per_j(generated, energy),
+            power_w=analysis.power_w(energy, window_s),
             power_status=str(group["power_status"].iloc[0]),
         )
         rows.append(row)

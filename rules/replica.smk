@@ -1,5 +1,5 @@
-# The GPU cost-side replica (src/wmtp/replica.py) and its tidy table next to the cost model's
-# prediction (src/wmtp/costmodel.py). On a one-GPU CUDA box, from the repository root:
+# The GPU cost-side replica (src/wmtp/replica/replica.py) and its tidy table next to the cost model's
+# prediction (src/wmtp/analyze/costmodel.py). On a one-GPU CUDA box, from the repository root:
 #   snakemake --workflow-profile h200 results/replica/tidy/replica.parquet
 # Without a GPU, tidy the committed H200 numbers instead: --config replica='{"raw": "measurements/h200"}'
 #
@@ -37,7 +37,7 @@ rule replica:
     conda:
         "../envs/replica.yaml"
     shell:
-        "{params.py} -m wmtp.replica sweep --models {input} --contexts {params.contexts} --ks {params.ks}"
+        "{params.py} -m wmtp.replica.replica sweep --models {input} --contexts {params.contexts} --ks {params.ks}"
         " --sink {params.sink} --window {params.window} --reps {params.reps} --out {params.out} > {log} 2>&1"
 
 
@@ -58,5 +58,5 @@ rule replica_tidy:
     conda:
         "../envs/pipeline.yaml"
     shell:
-        "{params.py} -m wmtp.replica tidy --raw {params.raw} --models-dir config/models {params.bandwidth}"
+        "{params.py} -m wmtp.replica.replica tidy --raw {params.raw} --models-dir config/models {params.bandwidth}"
         " --out {output} > {log} 2>&1"

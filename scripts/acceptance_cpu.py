@@ -3,7 +3,7 @@
 
 Per draft position, on held-out standard-library text (never trained on) at several context lengths,
 for two workloads — ``plain`` (real text) and ``copy`` (the prompt ends by starting to repeat a passage
-from far back: wmtp.workload.copy_task_prompt, the hard / low-acceptance workload) — and for the arms
+from far back: wmtp.measure.workload.copy_task_prompt, the hard / low-acceptance workload) — and for the arms
 ``mtp`` (full-attention draft) and ``wmtp`` at a few (S, W), one server per arm, started as the cell
 runner starts it (wmtp.engines.vllm argv and env, the embedded study's engine settings).
 
@@ -30,13 +30,13 @@ import httpx
 import pandas as pd
 import yaml
 
-from wmtp.client import complete
 from wmtp.config import study_from_dict
 from wmtp.engines import ServeRequest, vllm
 from wmtp.layout import REPO_ROOT
-from wmtp.server import ServerProcess, free_port
-from wmtp.train import FIXTURE_DIR, heldout_text
-from wmtp.workload import Corpus, PromptFactory, copy_task_prompt
+from wmtp.measure.client import complete
+from wmtp.measure.server import ServerProcess, free_port
+from wmtp.measure.workload import Corpus, PromptFactory, copy_task_prompt
+from wmtp.model.train import FIXTURE_DIR, heldout_text
 
 log = logging.getLogger("acceptance_cpu")
 
@@ -62,8 +62,9 @@ def parse_arm(text: str) -> tuple[str, int | None, int | None]:
 
 def heldout_factory(model_dir: Path) -> PromptFactory:
     text = heldout_text()
-    return PromptFactory(model_dir / "tokenizer.json",
-                         corpus=Corpus(text=text, digest=hashlib.sha256(text.encode()).hexdigest()[:16]))
+    return PromptFactory(
+        model_dir / "tokenizer.json", corpus=Corpus(text=text, digest=hashlib.sha256(text.encode()).hexdigest()[:16])
+    )
 
 
 def build_prompts(factory: PromptFactory, workloads: list[str], rungs: list[int], n: int) -> list[dict]:
@@ -72,13 +73,28 @@ def build_prompts(factory: PromptFactory, workloads: list[str], rungs: list[int]
         for rung in rungs:
             for index in range(n):
                 if workload == "plain":
-                    prompts.append({"workload": workload, "rung": rung, "index": index,
-                                    "text": factory.prompt(rung, index, salt="acceptance/plain"),
-                                    "continuation": None, "distance": None})
+                    prompts.append(
+                        {
+                            "workload": workload,
+                            "rung": rung,
+                            "index": index,
+                            "text": factory.prompt(rung, index, salt="acceptance/plain"),
+                            "continuation": None,
+                            "distance": None,
+                        }
+                    )
                 else:
                     task = copy_task_prompt(factory, rung, index, salt="acceptance/copy")
-                    prompts.append({"workload": workload, "rung": rung, "index": index, "text": task.text,
-                                    "continuation": task.continuation, "distance": task.distance(rung)})
+                    prompts.append(
+                        {
+                            "workload": workload,
+                            "rung": rung,
+                            "index": index,
+                            "text": task.text,
+                            "continuation": task.continuation,
+                            "distance": task.distance(rung),
+                        }
+                    )
     return prompts
 
 
@@ -92,14 +108,27 @@ def copied_tokens(factory: PromptFactory, token_ids: list[int], continuation: st
     return len(token_ids)
 
 
-def run_arm(arm: str, sink: int | None, window: int | None, args, prompts: list[dict], factory: PromptFactory,
-            work: Path) -> list[dict]:
+def run_arm(
+    arm: str, sink: int | None, window: int | None, args, prompts: list[dict], factory: PromptFactory, work: Path
+) -> list[dict]:
     study = study_from_dict(yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text()), base_dir=REPO_ROOT)
     spec = study.engines[0]
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    argv = vllm.serve_argv(ServeRequest(engine_python(), args.model, SERVED, port, max_model_len=args.max_model_len,
-                                        arm=arm, k=args.k, sink=sink, window=window, engine_args=spec.serve_args))
+    argv = vllm.serve_argv(
+        ServeRequest(
+            engine_python(),
+            args.model,
+            SERVED,
+            port,
+            max_model_len=args.max_model_len,
+            arm=arm,
+            k=args.k,
+            sink=sink,
+            window=window,
+            engine_args=spec.serve_args,
+        )
+    )
     short_tmp = Path(tempfile.mkdtemp(prefix="wmtp-acc-"))
     env = vllm.server_env(spec.env, work / "cache", short_tmp)
     tag = arm if arm != "wmtp" else f"wmtp-s{sink}-w{window}"
@@ -113,26 +142,51 @@ def run_arm(arm: str, sink: int | None, window: int | None, args, prompts: list[
             complete(base_url, SERVED, factory.prompt(64, 0, salt="warmup"), 8, client=client)
             for p in prompts:
                 before = vllm.read_counters(base_url)
-                result = complete(base_url, SERVED, p["text"], args.output_tokens, logprobs=1, client=client,
-                                  timeout_s=args.request_timeout)
+                result = complete(
+                    base_url,
+                    SERVED,
+                    p["text"],
+                    args.output_tokens,
+                    logprobs=1,
+                    client=client,
+                    timeout_s=args.request_timeout,
+                )
                 after = vllm.read_counters(base_url)
                 if result.prompt_tokens != p["rung"]:
                     raise RuntimeError(f"the server counted {result.prompt_tokens} prompt tokens, not {p['rung']}")
                 d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(before) | set(after)}
-                row = {"arm": arm, "sink": sink, "window": window, "k": 0 if arm == "none" else args.k,
-                       "workload": p["workload"], "rung": p["rung"], "index": p["index"],
-                       "distance": p["distance"], "prompt_tokens": result.prompt_tokens,
-                       "completion_tokens": result.completion_tokens, "ttft_s": round(result.ttft_s, 3),
-                       "decode_s": round(result.decode_s, 3),
-                       "drafts": d.get("drafts", 0.0), "draft_tokens": d.get("draft_tokens", 0.0),
-                       "accepted": d.get("accepted", 0.0),
-                       **{f"accepted_pos_{i}": d.get(f"accepted_pos_{i}", 0.0) for i in range(args.k)},
-                       "copied_tokens": copied_tokens(factory, result.token_ids, p["continuation"]),
-                       "token_ids": " ".join(map(str, result.token_ids))}
+                row = {
+                    "arm": arm,
+                    "sink": sink,
+                    "window": window,
+                    "k": 0 if arm == "none" else args.k,
+                    "workload": p["workload"],
+                    "rung": p["rung"],
+                    "index": p["index"],
+                    "distance": p["distance"],
+                    "prompt_tokens": result.prompt_tokens,
+                    "completion_tokens": result.completion_tokens,
+                    "ttft_s": round(result.ttft_s, 3),
+                    "decode_s": round(result.decode_s, 3),
+                    "drafts": d.get("drafts", 0.0),
+                    "draft_tokens": d.get("draft_tokens", 0.0),
+                    "accepted": d.get("accepted", 0.0),
+                    **{f"accepted_pos_{i}": d.get(f"accepted_pos_{i}", 0.0) for i in range(args.k)},
+                    "copied_tokens": copied_tokens(factory, result.token_ids, p["continuation"]),
+                    "token_ids": " ".join(map(str, result.token_ids)),
+                }
                 rows.append(row)
                 rate = row["accepted"] / row["draft_tokens"] if row["draft_tokens"] else float("nan")
-                log.info("%s %s %d #%d: acceptance %.3f, ttft %.1f s, copied %s", tag, p["workload"], p["rung"],
-                         p["index"], rate, result.ttft_s, row["copied_tokens"])
+                log.info(
+                    "%s %s %d #%d: acceptance %.3f, ttft %.1f s, copied %s",
+                    tag,
+                    p["workload"],
+                    p["rung"],
+                    p["index"],
+                    rate,
+                    result.ttft_s,
+                    row["copied_tokens"],
+                )
     finally:
         server.stop()
         shutil.rmtree(short_tmp, ignore_errors=True)
@@ -151,8 +205,9 @@ def summarise(requests: pd.DataFrame, k: int) -> pd.DataFrame:
     for i in range(k):
         out[f"pos_{i}"] = (out[f"accepted_pos_{i}"] / out["drafts"]).round(4)
     out["copied_tokens_mean"] = g["copied_tokens"].mean().values
-    out["decode_tok_s"] = g.apply(lambda x: ((x["completion_tokens"] - 1) / x["decode_s"]).median(),
-                                  include_groups=False).round(2).values
+    out["decode_tok_s"] = (
+        g.apply(lambda x: ((x["completion_tokens"] - 1) / x["decode_s"]).median(), include_groups=False).round(2).values
+    )
     out["ttft_s"] = g["ttft_s"].median().values
     if (requests["arm"] == "mtp").any():  # lossless: every arm's greedy output against the mtp arm's
         ref = requests[requests["arm"] == "mtp"].set_index(["workload", "rung", "index"])["token_ids"]
@@ -173,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--request-timeout", type=float, default=900.0)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "measurements" / "cpu" / "acceptance.csv")
-    parser.add_argument("--requests-out", type=Path,
-                        default=REPO_ROOT / "measurements" / "cpu" / "acceptance_requests.csv")
+    parser.add_argument(
+        "--requests-out", type=Path, default=REPO_ROOT / "measurements" / "cpu" / "acceptance_requests.csv"
+    )
     parser.add_argument("--work", type=Path, default=REPO_ROOT / "results" / "acceptance_cpu")
     args = parser.parse_args(argv)
     args.max_model_len = max(args.rungs) + args.output_tokens + 64

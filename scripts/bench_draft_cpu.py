@@ -35,9 +35,29 @@ log = logging.getLogger("bench_draft_cpu")
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = {"hidden_size": 512, "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 256}
 RESULT = "WMTP-BENCH "
-FIELDS = ["arm", "context", "sink", "window", "k", "block_size", "calls", "requests", "median_ms", "q1_ms",
-          "q3_ms", "p10_ms", "p90_ms", "min_ms", "max_ms", "context_max", "draft_reads_max", "loadavg_1m", "vllm",
-          "torch", "model_shape"]
+FIELDS = [
+    "arm",
+    "context",
+    "sink",
+    "window",
+    "k",
+    "block_size",
+    "calls",
+    "requests",
+    "median_ms",
+    "q1_ms",
+    "q3_ms",
+    "p10_ms",
+    "p90_ms",
+    "min_ms",
+    "max_ms",
+    "context_max",
+    "draft_reads_max",
+    "loadavg_1m",
+    "vllm",
+    "torch",
+    "model_shape",
+]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -65,16 +85,30 @@ def child(args: argparse.Namespace) -> int:
         reads = seq_max
         if args.arm == "wmtp":  # what the first pass's attention reads; later steps read ≤ that + k
             reads = win.windowed_seq_len(seq_max, query_max, args.sink, args.window, self.block_size)
-        calls.append({"s": time.perf_counter() - started, "query": query_max, "seq": seq_max,
-                      "reads": reads, "block": self.block_size})
+        calls.append(
+            {
+                "s": time.perf_counter() - started,
+                "query": query_max,
+                "seq": seq_max,
+                "reads": reads,
+                "block": self.block_size,
+            }
+        )
         return out
 
     llm_base_proposer.SpecDecodeBaseProposer.propose = timed_propose
     extra = {"wmtp": {"sink": args.sink, "window": args.window, "ring": False}} if args.arm == "wmtp" else {}
-    llm = LLM(model=str(args.model), dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
-              max_model_len=args.max_model_len, distributed_executor_backend="uni",
-              speculative_config={"method": "mtp", "num_speculative_tokens": args.k},
-              additional_config=extra, seed=0)
+    llm = LLM(
+        model=str(args.model),
+        dtype="bfloat16",
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_model_len=args.max_model_len,
+        distributed_executor_backend="uni",
+        speculative_config={"method": "mtp", "num_speculative_tokens": args.k},
+        additional_config=extra,
+        seed=0,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     versions = {"vllm": vllm.__version__, "torch": torch.__version__}
     print(RESULT + json.dumps({"ready": True, **versions}), flush=True)
@@ -96,23 +130,51 @@ def child(args: argparse.Namespace) -> int:
 class Arm:
     def __init__(self, name: str, args: argparse.Namespace, log_dir: Path):
         self.name = name
-        argv = [sys.executable, __file__, "--child", "--arm", name, "--model", str(args.model),
-                "--sink", str(args.sink), "--window", str(args.window), "--k", str(args.k),
-                "--tokens", str(args.tokens), "--max-model-len", str(args.max_model_len)]
+        argv = [
+            sys.executable,
+            __file__,
+            "--child",
+            "--arm",
+            name,
+            "--model",
+            str(args.model),
+            "--sink",
+            str(args.sink),
+            "--window",
+            str(args.window),
+            "--k",
+            str(args.k),
+            "--tokens",
+            str(args.tokens),
+            "--max-model-len",
+            str(args.max_model_len),
+        ]
         # One compute thread, as vLLM's CPU worker uses in a server; it also keeps OpenMP threads of an
         # idle arm from spinning against the busy one.
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "2",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "OMP_NUM_THREADS": "1",
+        }
         self.log_path = log_dir / f"{name}.log"
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log_path.open("w"), text=True, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log_path.open("w"),
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         self.info = self._read()
 
     def _read(self) -> dict:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith(RESULT):
-                return json.loads(line[len(RESULT):])
+                return json.loads(line[len(RESULT) :])
         raise RuntimeError(f"arm {self.name} exited ({self.proc.wait()}); see {self.log_path}")
 
     def run(self, prompt: list[int]) -> list[dict]:
@@ -141,17 +203,29 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def summarise(arm: str, context: int, calls: list[dict], requests: int, args, info: dict,
-              loads: list[float]) -> dict:
+def summarise(arm: str, context: int, calls: list[dict], requests: int, args, info: dict, loads: list[float]) -> dict:
     ms = [c["s"] * 1000 for c in calls]
     return {
-        "arm": arm, "context": context, "sink": args.sink if arm == "wmtp" else "", "k": args.k,
-        "window": args.window if arm == "wmtp" else "", "block_size": calls[0]["block"], "calls": len(ms),
-        "requests": requests, "median_ms": round(statistics.median(ms), 3), "q1_ms": round(quantile(ms, 0.25), 3),
-        "q3_ms": round(quantile(ms, 0.75), 3), "p10_ms": round(quantile(ms, 0.10), 3),
-        "p90_ms": round(quantile(ms, 0.90), 3), "min_ms": round(min(ms), 3), "max_ms": round(max(ms), 3),
-        "context_max": max(c["seq"] for c in calls), "draft_reads_max": max(c["reads"] for c in calls),
-        "loadavg_1m": round(statistics.mean(loads), 2), "vllm": info["vllm"], "torch": info["torch"],
+        "arm": arm,
+        "context": context,
+        "sink": args.sink if arm == "wmtp" else "",
+        "k": args.k,
+        "window": args.window if arm == "wmtp" else "",
+        "block_size": calls[0]["block"],
+        "calls": len(ms),
+        "requests": requests,
+        "median_ms": round(statistics.median(ms), 3),
+        "q1_ms": round(quantile(ms, 0.25), 3),
+        "q3_ms": round(quantile(ms, 0.75), 3),
+        "p10_ms": round(quantile(ms, 0.10), 3),
+        "p90_ms": round(quantile(ms, 0.90), 3),
+        "min_ms": round(min(ms), 3),
+        "max_ms": round(max(ms), 3),
+        "context_max": max(c["seq"] for c in calls),
+        "draft_reads_max": max(c["reads"] for c in calls),
+        "loadavg_1m": round(statistics.mean(loads), 2),
+        "vllm": info["vllm"],
+        "torch": info["torch"],
         "model_shape": json.dumps(SHAPE, separators=(",", ":")),
     }
 
@@ -160,8 +234,9 @@ def ensure_model(path: Path) -> None:
     if (path / "config.json").exists():
         return
     log.info("building the bench model at %s (shape %s)", path, SHAPE)
-    subprocess.run([sys.executable, "-m", "wmtp.tiny", "--out", str(path), "--shape", json.dumps(SHAPE)],
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "wmtp.model.tiny", "--out", str(path), "--shape", json.dumps(SHAPE)], check=True
+    )
 
 
 def parent(args: argparse.Namespace) -> int:
@@ -190,22 +265,32 @@ def parent(args: argparse.Namespace) -> int:
                     got = arm.run(prompt)
                     calls.setdefault((arm.name, n), []).extend(got)
                     ms = statistics.median(c["s"] * 1000 for c in got)
-                    log.info("context %5d rep %d %-4s: %d draft steps, median %.2f ms", n, rep, arm.name,
-                             len(got), ms)
+                    log.info("context %5d rep %d %-4s: %d draft steps, median %.2f ms", n, rep, arm.name, len(got), ms)
     finally:
         for arm in arms:
             arm.stop()
-    rows = [summarise(arm.name, n, calls[(arm.name, n)], args.repeats, args, arm.info, loads[(arm.name, n)])
-            for n in args.contexts for arm in arms]
+    rows = [
+        summarise(arm.name, n, calls[(arm.name, n)], args.repeats, args, arm.info, loads[(arm.name, n)])
+        for n in args.contexts
+        for arm in arms
+    ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as out:
         writer = csv.DictWriter(out, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(rows)
     for row in rows:
-        log.info("%-4s context %5d: propose() median %.2f ms [IQR %.2f–%.2f, p10–p90 %.2f–%.2f] over %d calls",
-                 row["arm"], row["context"], row["median_ms"], row["q1_ms"], row["q3_ms"], row["p10_ms"],
-                 row["p90_ms"], row["calls"])
+        log.info(
+            "%-4s context %5d: propose() median %.2f ms [IQR %.2f–%.2f, p10–p90 %.2f–%.2f] over %d calls",
+            row["arm"],
+            row["context"],
+            row["median_ms"],
+            row["q1_ms"],
+            row["q3_ms"],
+            row["p10_ms"],
+            row["p90_ms"],
+            row["calls"],
+        )
     log.info("wrote %s", args.out)
     return 0
 
@@ -221,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--out", type=Path, default=REPO / "measurements" / "cpu" / "draft_bench.csv")
-    parser.add_argument("--log-dir", type=Path, default=None,
-                        help="where the two engines' logs go (default: results/bench)")
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="where the two engines' logs go (default: results/bench)"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--arm", choices=["mtp", "wmtp"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

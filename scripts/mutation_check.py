@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Mutation check of the formula functions: does some test fail when one formula is off by 1 %?
 
-For every *formula* of the given modules (default ``wmtp.analysis``), one at a time, a copy of ``src/``
+For every *formula* of the given modules (default ``wmtp.analyze.analysis``), one at a time, a copy of ``src/``
 is made in a scratch directory with that one function's results multiplied by ``--factor`` (1.01), and
 the tests (default ``tests/test_analysis.py tests/test_tidy.py``) run against the copy
 (``PYTHONPATH=<copy>/src``). A formula whose mutant passes every test SURVIVED: nothing checks its value
@@ -31,8 +31,8 @@ bytecode is written, so runs share no writable state.
 
 Usage::
 
-    python scripts/mutation_check.py                       # wmtp.analysis against the analysis tests
-    python scripts/mutation_check.py --module wmtp.costmodel --tests tests/test_costmodel.py
+    python scripts/mutation_check.py                       # wmtp.analyze.analysis against the analysis tests
+    python scripts/mutation_check.py --module wmtp.analyze.costmodel --tests tests/test_costmodel.py
     python scripts/mutation_check.py --list                # only print the formulas it would mutate
 """
 
@@ -54,15 +54,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
-DEFAULT_MODULES = ("wmtp.analysis",)
+DEFAULT_MODULES = ("wmtp.analyze.analysis",)
 DEFAULT_TESTS = ("tests/test_analysis.py", "tests/test_tidy.py")
 DEFAULT_FACTOR = 1.01
 DEFAULT_TIMEOUT_S = 300.0
 NUMBER_ANNOTATIONS = frozenset({"float", "int"})
 #: Formulas the annotation rule would miss, per module (none so far: every analysis formula is annotated).
-EXPLICIT: dict[str, tuple[str, ...]] = {"wmtp.analysis": ()}
+EXPLICIT: dict[str, tuple[str, ...]] = {"wmtp.analyze.analysis": ()}
 #: Public functions the rule would pick that are not formulas, per module.
-EXCLUDE: dict[str, tuple[str, ...]] = {"wmtp.analysis": ()}
+EXCLUDE: dict[str, tuple[str, ...]] = {"wmtp.analyze.analysis": ()}
 SCALE_HELPER = "_wmtp_mutant_scale"
 
 SCALAR, RECORD = "scalar", "record"
@@ -334,7 +334,10 @@ def run_check(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--module", action="append", default=[], help="module to mutate (repeat; wmtp.analysis is always included)"
+        "--module",
+        action="append",
+        default=[],
+        help="module to mutate (repeat; wmtp.analyze.analysis is always included)",
     )
     parser.add_argument("--tests", nargs="+", default=list(DEFAULT_TESTS), help="test files or node ids to run")
     parser.add_argument("--factor", type=float, default=DEFAULT_FACTOR)

@@ -48,18 +48,22 @@ def find_engine_python() -> str:
     python = engine_python(spec, directory)
     if not (directory / MANIFEST).exists() or not Path(python).exists():
         _missing_engine(f"no engine at {directory} (build it: make engine)")
-    probe = ("import json, wmtp; from wmtp.engines.vllm_hooks import check_hook_points; "
-             "print('WMTP-SRC ' + json.dumps([wmtp.__file__, check_hook_points()]))")
+    probe = (
+        "import json, wmtp; from wmtp.engines.vllm_hooks import check_hook_points; "
+        "print('WMTP-SRC ' + json.dumps([wmtp.__file__, check_hook_points()]))"
+    )
     proc = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=180, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("WMTP-SRC ")]
     if proc.returncode != 0 or not lines:
         pytest.fail(f"engine {python} cannot check the wmtp hook points:\n{proc.stderr[-3000:]}", pytrace=False)
-    plugin_file, _ = json.loads(lines[-1][len("WMTP-SRC "):])
+    plugin_file, _ = json.loads(lines[-1][len("WMTP-SRC ") :])
     ours = (REPO / "src" / "wmtp").resolve()
     if Path(plugin_file).resolve().parent != ours:
         # An engine built from another checkout runs that checkout's plugin: its results would not test this code.
-        pytest.fail(f"engine {python} imports wmtp from {Path(plugin_file).parent}, not {ours}; "
-                    f"rebuild it here: make engine", pytrace=False)
+        pytest.fail(
+            f"engine {python} imports wmtp from {Path(plugin_file).parent}, not {ours}; rebuild it here: make engine",
+            pytrace=False,
+        )
     return python
 
 
@@ -82,7 +86,7 @@ def embedded_raw() -> dict:
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory) -> Path:
     """The tiny model's tokenizer, trained as rules/models.smk trains it (no torch needed)."""
-    from wmtp.tiny import train_tokenizer
+    from wmtp.model.tiny import train_tokenizer
 
     out = tmp_path_factory.mktemp("tok")
     train_tokenizer(4096, out, max_chars=1_000_000)
@@ -126,8 +130,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if not _engine_outcomes:
         return
     counts = _engine_counts()
-    terminalreporter.write_line(f"wmtp engine tests: {counts['passed']} passed, {counts['skipped']} skipped, "
-                                f"{counts['failed']} failed")
+    terminalreporter.write_line(
+        f"wmtp engine tests: {counts['passed']} passed, {counts['skipped']} skipped, {counts['failed']} failed"
+    )
     if in_ci() and counts["skipped"]:
         terminalreporter.write_line("wmtp: CI=true and engine tests were skipped: the proofs did not run", red=True)
 

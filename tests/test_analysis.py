@@ -1,8 +1,8 @@
-"""wmtp.analysis against the Spark study's numbers, and the bootstrap / frame functions on synthetic tables.
+"""wmtp.analyze.analysis against the Spark study's numbers, and the bootstrap / frame functions on synthetic tables.
 
 The Spark-study tests take the Spark study's *primary* numbers as printed (counter counts, tok/J, board power, TTFT,
 prompt and output tokens), rebuild the raw inputs a run would have recorded from them (decode windows,
-energies, counter deltas), run those through wmtp.analysis and compare the result with the *derived*
+energies, counter deltas), run those through wmtp.analyze.analysis and compare the result with the *derived*
 numbers the study prints (cycleMs, tokPerVerify, acceptance, the draft tax ...). No expected value is
 fed back in as an input. Tolerances are the study's own rounding: half a unit in the last printed digit of
 every printed number that enters a comparison, added up (relative for products and quotients).
@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from wmtp import analysis as an
+from wmtp.analyze import analysis as an
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tidy_synthetic" / "make_tidy.py"
 
@@ -431,7 +431,7 @@ def test_bootstrap_se_is_the_spread_of_the_replicates():
 
 
 # ------------------------------------------------------------------------------------------------
-# Frames over the tidy tables (the synthetic fixture: raw cells → wmtp.tidy.collect → wmtp.analysis)
+# Frames over the tidy tables (the synthetic fixture: raw cells → wmtp.analyze.tidy.collect → wmtp.analyze.analysis)
 # ------------------------------------------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 GATE = REPO / "scripts" / "ci" / "engine_tests.py"
 
-SUITE = '''
+SUITE = """
 import pytest
 
 @pytest.mark.engine
@@ -24,7 +24,7 @@ def test_ran():
 
 def test_plain():
     assert True
-'''
+"""
 
 
 def _run_suite(tmp_path: Path, ci: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -35,8 +35,14 @@ def _run_suite(tmp_path: Path, ci: str) -> tuple[subprocess.CompletedProcess, Pa
     (suite / "pytest.ini").write_text("[pytest]\nmarkers =\n    engine: needs the engine\n")
     report = tmp_path / f"report-{ci or 'dev'}.xml"
     env = {**os.environ, "CI": ci, "PYTEST_ADDOPTS": ""}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                           str(suite)], capture_output=True, text=True, env=env, cwd=suite, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", str(suite)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=suite,
+        timeout=120,
+    )
     return proc, report
 
 
@@ -57,9 +63,11 @@ def test_a_developer_run_only_counts_the_skip(tmp_path):
 
 def test_the_gate_passes_when_every_engine_test_ran(tmp_path):
     report = tmp_path / "ok.xml"
-    report.write_text('<testsuites><testsuite><testcase name="a"><properties><property name="marker" '
-                      'value="engine"/></properties></testcase><testcase name="b"><skipped/></testcase>'
-                      '</testsuite></testsuites>')
+    report.write_text(
+        '<testsuites><testsuite><testcase name="a"><properties><property name="marker" '
+        'value="engine"/></properties></testcase><testcase name="b"><skipped/></testcase>'
+        "</testsuite></testsuites>"
+    )
     gate = subprocess.run([sys.executable, str(GATE), str(report)], capture_output=True, text=True)
     assert gate.returncode == 0, gate.stderr
     assert "engine tests 1 passed, 0 skipped, 0 failed" in gate.stdout

@@ -146,8 +146,12 @@ def test_spark_study_encodes_the_seed_protocol(repo, tmp_path, monkeypatch):
     assert study.models[0].hf_id == "unsloth/Qwen3.6-35B-A3B-NVFP4-Fast"
     assert study.models[0].max_model_len == 262144
     args = study.engines[0].serve_args
-    for flag, value in [("--kv-cache-memory-bytes", "4294967296"), ("--gpu-memory-utilization", "0.85"),
-                        ("--max-num-seqs", "4"), ("--max-num-batched-tokens", "8192")]:
+    for flag, value in [
+        ("--kv-cache-memory-bytes", "4294967296"),
+        ("--gpu-memory-utilization", "0.85"),
+        ("--max-num-seqs", "4"),
+        ("--max-num-batched-tokens", "8192"),
+    ]:
         assert args[args.index(flag) + 1] == value
     assert study.engines[0].packages == ["vllm==0.24.0"]
     assert [c.cell_id for c in study.cells()] == [

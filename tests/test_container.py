@@ -28,8 +28,16 @@ def _pairs(argv: list[str], flag: str) -> list[str]:
 
 def test_docker_argv(tmp_path):
     model = tmp_path / "model"
-    argv = container.wrap_argv(SERVE, runtime="docker", image="nvcr.io/nvidia/vllm:26.09", work_dir=tmp_path / "w",
-                               model_dir=model, env={"HF_HUB_OFFLINE": "1"}, name="wmtp-8123", binary="docker")
+    argv = container.wrap_argv(
+        SERVE,
+        runtime="docker",
+        image="nvcr.io/nvidia/vllm:26.09",
+        work_dir=tmp_path / "w",
+        model_dir=model,
+        env={"HF_HUB_OFFLINE": "1"},
+        name="wmtp-8123",
+        binary="docker",
+    )
     assert argv[:5] == ["docker", "run", "--rm", "--init", "--ipc=host"]
     assert _pairs(argv, "--gpus") == ["all"] and _pairs(argv, "--network") == ["host"]
     assert _pairs(argv, "--name") == ["wmtp-8123"]
@@ -39,37 +47,54 @@ def test_docker_argv(tmp_path):
     assert env["HF_HUB_OFFLINE"] == "1"
     assert env["PYTHONPATH"].split(":") == [str(work / "wmtp-site"), str(repo / "src")]
     image_at = argv.index("nvcr.io/nvidia/vllm:26.09")
-    assert argv[image_at + 1:] == SERVE  # the serve argv unchanged: paths keep their host names
+    assert argv[image_at + 1 :] == SERVE  # the serve argv unchanged: paths keep their host names
 
 
 def test_docker_bridge_publishes_the_port_and_binds_all_interfaces(tmp_path):
-    argv = container.wrap_argv(SERVE, runtime="docker", image="img", work_dir=tmp_path, network="bridge", port=8123,
-                               gpus=[0, 2], binary="docker")
+    argv = container.wrap_argv(
+        SERVE,
+        runtime="docker",
+        image="img",
+        work_dir=tmp_path,
+        network="bridge",
+        port=8123,
+        gpus=[0, 2],
+        binary="docker",
+    )
     assert _pairs(argv, "-p") == ["127.0.0.1:8123:8123"] and "--network" not in argv
     assert _pairs(argv, "--gpus") == ["device=0,2"]
-    assert _pairs(argv[argv.index("img"):], "--host") == ["0.0.0.0"]
+    assert _pairs(argv[argv.index("img") :], "--host") == ["0.0.0.0"]
     with pytest.raises(container.ContainerError, match="needs the server's port"):
         container.wrap_argv(SERVE, runtime="docker", image="img", work_dir=tmp_path, network="bridge")
 
 
 def test_apptainer_argv(tmp_path):
-    argv = container.wrap_argv(SERVE, runtime="apptainer", image="/images/sglang-0.5.21.sif", work_dir=tmp_path,
-                               model_dir=tmp_path / "m", env={"A": "b c"}, binary="apptainer")
+    argv = container.wrap_argv(
+        SERVE,
+        runtime="apptainer",
+        image="/images/sglang-0.5.21.sif",
+        work_dir=tmp_path,
+        model_dir=tmp_path / "m",
+        env={"A": "b c"},
+        binary="apptainer",
+    )
     assert argv[:3] == ["apptainer", "exec", "--nv"]
     assert len(_pairs(argv, "--bind")) == 3
     assert "A=b c" in _pairs(argv, "--env")
     assert "--cleanenv" not in argv  # CUDA_VISIBLE_DEVICES from the SLURM job must reach the server
-    assert argv[argv.index("/images/sglang-0.5.21.sif") + 1:] == SERVE
-    no_gpu = container.wrap_argv(["python3", "-V"], runtime="apptainer", image="x.sif", work_dir=tmp_path, gpus=None,
-                                 binary="apptainer")
+    assert argv[argv.index("/images/sglang-0.5.21.sif") + 1 :] == SERVE
+    no_gpu = container.wrap_argv(
+        ["python3", "-V"], runtime="apptainer", image="x.sif", work_dir=tmp_path, gpus=None, binary="apptainer"
+    )
     assert "--nv" not in no_gpu
 
 
 def test_serve_command_of_a_cell(tmp_path):
     spec = EngineSpec(name="v", kind="vllm", source="container", image="nvcr.io/nvidia/vllm:26.09")
     env = {"TMPDIR": str(tmp_path / "t"), "VLLM_CACHE_ROOT": str(tmp_path / "cache" / "vllm")}
-    argv = container.serve_command(spec, SERVE, model_dir=tmp_path / "m", work_dir=tmp_path / "cache", port=8123,
-                                   env=env)
+    argv = container.serve_command(
+        spec, SERVE, model_dir=tmp_path / "m", work_dir=tmp_path / "cache", port=8123, env=env
+    )
     assert argv[0] == "docker" and _pairs(argv, "--name") == ["wmtp-8123"]
     t = (tmp_path / "t").resolve()
     assert f"{t}:{t}:rw" in _pairs(argv, "-v")  # the server's TMPDIR exists inside too
@@ -78,7 +103,7 @@ def test_serve_command_of_a_cell(tmp_path):
 
 def test_pip_install_at_start(tmp_path):
     argv = container.wrap_argv(SERVE, runtime="docker", image="img", work_dir=tmp_path, install="pip", binary="docker")
-    tail = argv[argv.index("img") + 1:]
+    tail = argv[argv.index("img") + 1 :]
     assert tail[:2] == ["sh", "-c"] and "pip install" in tail[2] and 'exec "$@"' in tail[2]
     assert tail[4:] == SERVE
     env = dict(e.split("=", 1) for e in _pairs(argv, "-e"))
@@ -98,12 +123,19 @@ def test_runtime_binary_falls_back_to_singularity(tmp_path, monkeypatch):
 
 def test_plugin_site_makes_the_entry_point_visible_without_pip(tmp_path):
     site = container.plugin_site(tmp_path / "site")
-    code = ("import importlib.metadata as md, importlib.util, json; "
-            "eps = [e.value for e in md.entry_points(group='vllm.general_plugins') if e.name == 'wmtp']; "
-            "print(json.dumps([eps, importlib.util.find_spec('wmtp.plugin').origin]))")
+    code = (
+        "import importlib.metadata as md, importlib.util, json; "
+        "eps = [e.value for e in md.entry_points(group='vllm.general_plugins') if e.name == 'wmtp']; "
+        "print(json.dumps([eps, importlib.util.find_spec('wmtp.plugin').origin]))"
+    )
     # -S: no site-packages, so only PYTHONPATH can provide wmtp (as in an image without it installed).
-    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": f"{site}:{REPO_ROOT / 'src'}"}).stdout
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": f"{site}:{REPO_ROOT / 'src'}"},
+    ).stdout
     eps, origin = json.loads(out)
     assert eps == ["wmtp.plugin:register"]
     assert origin.startswith(str(REPO_ROOT / "src"))
@@ -150,8 +182,15 @@ def test_build_engine_from_an_image_records_its_digest(tmp_path, monkeypatch):
     docker.write_text(FAKE_DOCKER.format(python=sys.executable))
     docker.chmod(docker.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    spec = EngineSpec(name="sg", kind="sglang", source="container", image="example/sglang:v0.5.21",
-                      container_runtime="docker", python=sys.executable, env={"PYTHONPATH": str(FAKE_SGLANG)})
+    spec = EngineSpec(
+        name="sg",
+        kind="sglang",
+        source="container",
+        image="example/sglang:v0.5.21",
+        container_runtime="docker",
+        python=sys.executable,
+        env={"PYTHONPATH": str(FAKE_SGLANG)},
+    )
     manifest = build_engine(spec, tmp_path / "engines" / "sg")
     assert manifest["container"]["digest"] == "example/sglang@sha256:beef"
     assert manifest["container"]["image_id"] == "sha256:feed"

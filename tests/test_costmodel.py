@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from wmtp import costmodel as cm
+from wmtp.analyze import costmodel as cm
 
 MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from wmtp.counters import CounterReset, delta
 from wmtp.engines.vllm import spec_counters as vllm_spec_counters
+from wmtp.measure.counters import CounterReset, delta
 
 
 def test_parses_captured_vllm_metrics(repo):
@@ -19,15 +19,17 @@ def test_parses_captured_vllm_metrics(repo):
 
 
 def test_sums_across_engine_labels():
-    text = "\n".join([
-        "# TYPE vllm:spec_decode_num_drafts counter",
-        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
-        'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 5.0',
-        "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter",
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 3.0',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="1"} 4.0',
-        "",
-    ])
+    text = "\n".join(
+        [
+            "# TYPE vllm:spec_decode_num_drafts counter",
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
+            'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 5.0',
+            "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter",
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 3.0',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="1"} 4.0',
+            "",
+        ]
+    )
     values = vllm_spec_counters(text)
     assert values["drafts"] == 15.0
     assert values["accepted_pos_1"] == 7.0
@@ -35,7 +37,7 @@ def test_sums_across_engine_labels():
 
 
 def test_server_without_draft_reads_zero():
-    text = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} 0.0\n"
+    text = '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 0.0\n'
     assert vllm_spec_counters(text) == {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0}
 
 

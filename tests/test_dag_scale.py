@@ -24,8 +24,9 @@ DAG_BUDGET_S = float(os.environ.get("WMTP_DAG_BUDGET_S", "5"))
 
 def _placeholders(raw: dict, tmp: Path) -> dict:
     """The study with its results in tmp and each checkpoint path an empty directory in tmp."""
-    raw = dict(raw, results_dir=str(tmp / "results"), engines_dir=str(tmp / "engines"),
-               models_dir=str(tmp / "generated"))
+    raw = dict(
+        raw, results_dir=str(tmp / "results"), engines_dir=str(tmp / "engines"), models_dir=str(tmp / "generated")
+    )
     models = []
     for model in raw["models"]:
         model = dict(model)
@@ -41,8 +42,13 @@ def _dry_run(config: Path, *extra: str) -> tuple[subprocess.CompletedProcess, fl
     """``snakemake -n`` from the repo root; returns the process, its wall time and its CPU time."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--nolock", "--configfile", str(config),
-                           *extra], cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "--nolock", "--configfile", str(config), *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -75,11 +81,16 @@ def _big_matrix(tmp: Path) -> tuple[Path, int]:
     ks = [1, 2, 3, 4, 5]
     raw = {
         "study": "dag-scale",
-        "engines": [{"name": "sglang", "kind": "sglang", "device": "cuda", "packages": ["sglang==0.5.21"]},
-                    {"name": "vllm", "kind": "vllm", "device": "cuda", "packages": ["vllm==0.24.0"]}],
+        "engines": [
+            {"name": "sglang", "kind": "sglang", "device": "cuda", "packages": ["sglang==0.5.21"]},
+            {"name": "vllm", "kind": "vllm", "device": "cuda", "packages": ["vllm==0.24.0"]},
+        ],
         "models": [{"name": f"m{i}", "path": f"models/m{i}", "max_model_len": 1_049_600} for i in range(4)],
-        "arms": [{"name": "none"}, {"name": "mtp", "k": ks},
-                 {"name": "wmtp", "k": ks, "sink": [0, 64], "window": [1024, 2048, 4032, 8192]}],
+        "arms": [
+            {"name": "none"},
+            {"name": "mtp", "k": ks},
+            {"name": "wmtp", "k": ks, "sink": [0, 64], "window": [1024, 2048, 4032, 8192]},
+        ],
         "protocol": {"rungs": [8192, 131072, 1_048_576], "repeats": 2, "concurrency": [1, 2, 4]},
     }
     n_cells = 2 * 4 * (1 + 5 + 5 * 2 * 4) * 3
@@ -91,9 +102,16 @@ def _big_matrix(tmp: Path) -> tuple[Path, int]:
 def test_dag_of_more_than_1000_cells_builds_fast(tmp_path):
     config, n_cells = _big_matrix(tmp_path)
     assert n_cells >= 1000
-    one = _placeholders({**yaml.safe_load(config.read_text()), "study": "dag-one",
-                         "engines": yaml.safe_load(config.read_text())["engines"][:1], "arms": [{"name": "none"}],
-                         "protocol": {"rungs": [8192], "repeats": 1, "concurrency": [1]}}, tmp_path)
+    one = _placeholders(
+        {
+            **yaml.safe_load(config.read_text()),
+            "study": "dag-one",
+            "engines": yaml.safe_load(config.read_text())["engines"][:1],
+            "arms": [{"name": "none"}],
+            "protocol": {"rungs": [8192], "repeats": 1, "concurrency": [1]},
+        },
+        tmp_path,
+    )
     one["models"] = one["models"][:1]
     one_config = tmp_path / "one.yaml"
     one_config.write_text(yaml.safe_dump(one))
@@ -104,9 +122,13 @@ def test_dag_of_more_than_1000_cells_builds_fast(tmp_path):
     proc, _, _ = _dry_run(config)
     assert _job_counts(proc.stdout)["cell"] == n_cells
     dag_cpu = cpu - base_cpu
-    print(f"\nsnakemake -n for {n_cells} cells: {wall:.2f} s wall, {cpu:.2f} s CPU; one cell: {base_wall:.2f} s wall, "
-          f"{base_cpu:.2f} s CPU; the DAG of {n_cells} cells: {dag_cpu:.2f} s CPU ({1000 * dag_cpu / n_cells:.1f} ms "
-          "a cell)")
-    assert dag_cpu < DAG_BUDGET_S, (f"building the DAG of {n_cells} cells took {dag_cpu:.2f} s of CPU beyond "
-                                    f"Snakemake's start-up ({cpu:.2f} s in all, {wall:.2f} s wall); "
-                                    f"goal {DAG_BUDGET_S} s")
+    print(
+        f"\nsnakemake -n for {n_cells} cells: {wall:.2f} s wall, {cpu:.2f} s CPU; one cell: {base_wall:.2f} s wall, "
+        f"{base_cpu:.2f} s CPU; the DAG of {n_cells} cells: {dag_cpu:.2f} s CPU ({1000 * dag_cpu / n_cells:.1f} ms "
+        "a cell)"
+    )
+    assert dag_cpu < DAG_BUDGET_S, (
+        f"building the DAG of {n_cells} cells took {dag_cpu:.2f} s of CPU beyond "
+        f"Snakemake's start-up ({cpu:.2f} s in all, {wall:.2f} s wall); "
+        f"goal {DAG_BUDGET_S} s"
+    )

@@ -127,8 +127,8 @@ def test_record_mutants_scale_float_fields_and_keep_ints(mc):
 
 
 def test_the_analysis_formulas_are_selected(mc):
-    source = (ROOT / "src" / "wmtp" / "analysis.py").read_text()
-    picked = {f.name: f.kind for f in mc.select_formulas(source, "wmtp.analysis")}
+    source = (ROOT / "src" / "wmtp" / "analyze" / "analysis.py").read_text()
+    picked = {f.name: f.kind for f in mc.select_formulas(source, "wmtp.analyze.analysis")}
     for name in ("decode_tok_s", "cycle_ms", "tok_per_verify", "acceptance_rate", "position_rate", "tok_per_j"):
         assert picked[name] == mc.SCALAR, name
     for name in ("draft_tax", "acceptance_from_positions", "speedup_change_ci", "bootstrap_ci"):
@@ -147,7 +147,8 @@ def test_every_analysis_formula_is_caught(tmp_path):
     assert out.exists(), proc.stdout + proc.stderr
     results = json.loads(out.read_text())
     names = {r["formula"] for r in results}
-    assert {"wmtp.analysis.cycle_ms", "wmtp.analysis.draft_tax", "wmtp.analysis.speedup_change_ci"} <= names
+    expected = {f"wmtp.analyze.analysis.{name}" for name in ("cycle_ms", "draft_tax", "speedup_change_ci")}
+    assert expected <= names
     not_caught = [r for r in results if r["verdict"] != "caught"]
     assert not not_caught, proc.stdout
     assert proc.returncode == 0, proc.stdout + proc.stderr

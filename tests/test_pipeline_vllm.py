@@ -21,8 +21,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from wmtp.equality import equal_up_to_numerics
-from wmtp.server import group_alive
+from wmtp.measure.equality import equal_up_to_numerics
+from wmtp.measure.server import group_alive
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -36,8 +36,19 @@ NEAR_TIE_EPS = 0.25
 
 
 def _snakemake(workdir_config: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "snakemake", "--cores", "2", "--resources", "gpu=1", "--nolock",
-            "--configfile", str(workdir_config), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--cores",
+        "2",
+        "--resources",
+        "gpu=1",
+        "--nolock",
+        "--configfile",
+        str(workdir_config),
+        *extra,
+    ]
 
 
 def _wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
@@ -57,12 +68,16 @@ def pipeline(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
     raw = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     raw.update(results_dir=str(tmp / "results"), engines_dir=str(ENGINES), models_dir=str(tmp / "models"))
-    raw["protocol"].update(rungs=RUNGS, workloads=WORKLOADS, repeats=2, output_tokens=24, warmup_requests=1,
-                           record_tokens=True)
+    raw["protocol"].update(
+        rungs=RUNGS, workloads=WORKLOADS, repeats=2, output_tokens=24, warmup_requests=1, record_tokens=True
+    )
     # none and the windowed arm: plain mtp against none is covered in-process by tests/test_plugin_vllm.py,
     # and through a real SLURM by tests/test_slurm.py; one server start less keeps CI short.
-    raw["arms"] = [{**arm, "window": [256]} if arm["name"] == "wmtp" else arm
-                   for arm in raw["arms"] if arm["name"] in ("none", "wmtp")]
+    raw["arms"] = [
+        {**arm, "window": [256]} if arm["name"] == "wmtp" else arm
+        for arm in raw["arms"]
+        if arm["name"] in ("none", "wmtp")
+    ]
     study_file = tmp / "study.yaml"
     study_file.write_text(yaml.safe_dump(raw))
     results = tmp / "results" / "embedded"
@@ -73,13 +88,26 @@ def pipeline(tmp_path_factory):
         proc = subprocess.Popen(_snakemake(study_file), cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         try:
             # The cell that runs last gets its server killed in the middle of its last rung.
-            done = _wait_for(lambda: (lambda d: d if len(d) == len(cells) - 1 else None)(
-                [c for c in cells if (results / "raw" / c / "manifest.json").exists()]),
-                2400, "all cells but one to finish", proc)
+            done = _wait_for(
+                lambda: (lambda d: d if len(d) == len(cells) - 1 else None)(
+                    [c for c in cells if (results / "raw" / c / "manifest.json").exists()]
+                ),
+                2400,
+                "all cells but one to finish",
+                proc,
+            )
             victim = next(c for c in cells if c not in done)
             victim_log = logs / f"{victim}.log"
-            text = _wait_for(lambda: victim_log.exists() and f"rung {RUNGS[-1]} repeat 1/" in victim_log.read_text()
-                             and victim_log.read_text(), 900, "the victim's last rung", proc)
+            text = _wait_for(
+                lambda: (
+                    victim_log.exists()
+                    and f"rung {RUNGS[-1]} repeat 1/" in victim_log.read_text()
+                    and victim_log.read_text()
+                ),
+                900,
+                "the victim's last rung",
+                proc,
+            )
             pgid = int(re.search(r"server pid (\d+)", text).group(1))
             os.killpg(pgid, signal.SIGKILL)
             first_rc = proc.wait(timeout=600)
@@ -89,15 +117,21 @@ def pipeline(tmp_path_factory):
     victim_dir = results / "raw" / victim
     survivor_manifest = results / "raw" / done[0] / "manifest.json"
     facts = {
-        "first_rc": first_rc, "victim": victim, "survivor": done[0], "pgid": pgid,
+        "first_rc": first_rc,
+        "victim": victim,
+        "survivor": done[0],
+        "pgid": pgid,
         "failure": json.loads((victim_dir / "failure.json").read_text()),
         "victim_files_after_kill": sorted(p.name for p in victim_dir.iterdir()),
         "group_alive_after_kill": group_alive(pgid),
         "survivor_mtime": survivor_manifest.stat().st_mtime,
     }
     second = subprocess.run(_snakemake(study_file), cwd=REPO, capture_output=True, text=True, timeout=1500)
-    facts.update(second_rc=second.returncode, second_out=second.stdout + second.stderr,
-                 survivor_mtime_after=survivor_manifest.stat().st_mtime)
+    facts.update(
+        second_rc=second.returncode,
+        second_out=second.stdout + second.stderr,
+        survivor_mtime_after=survivor_manifest.stat().st_mtime,
+    )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     return {"tmp": tmp, "results": results, "cells": cells, "facts": facts}
 
@@ -129,10 +163,10 @@ def test_raw_files_and_manifest(pipeline):
         measured = requests[~requests["warmup"]]
         assert sorted(measured["rung"].unique()) == RUNGS
         # every rung once per workload, in that order: code then copy within a rung
-        assert measured.groupby(["rung", "workload"]).size().to_dict() == {
-            (r, w): 2 for r in RUNGS for w in WORKLOADS}
+        assert measured.groupby(["rung", "workload"]).size().to_dict() == {(r, w): 2 for r in RUNGS for w in WORKLOADS}
         assert list(dict.fromkeys(zip(measured["rung"], measured["workload"], strict=True))) == [
-            (r, w) for r in RUNGS for w in WORKLOADS]
+            (r, w) for r in RUNGS for w in WORKLOADS
+        ]
         assert (measured["prompt_tokens"] == measured["rung"]).all()
         assert (measured["completion_tokens"] == 24).all()
         assert (measured["ttft_s"] > 0).all() and (measured["e2e_s"] > measured["ttft_s"]).all()
@@ -165,8 +199,9 @@ def test_drafting_arms_greedy_output_equals_none_up_to_numerics(pipeline):
     compared = 0
     for other in drafting:
         for key, ref in none.iterrows():
-            verdict = equal_up_to_numerics(list(ref["token_ids"]), list(ref["top2_gap"]),
-                                           list(other.loc[key, "token_ids"]), eps=NEAR_TIE_EPS)
+            verdict = equal_up_to_numerics(
+                list(ref["token_ids"]), list(ref["top2_gap"]), list(other.loc[key, "token_ids"]), eps=NEAR_TIE_EPS
+            )
             assert verdict.equal, f"{key}: {verdict.reason}"
             compared += 1
     assert compared == len(drafting) * 2 * len(RUNGS) * len(WORKLOADS)

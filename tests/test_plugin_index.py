@@ -85,11 +85,14 @@ def test_bound_does_not_move_as_the_context_grows():
     assert lengths[-1] < 1000  # at 200K tokens the draft still reads under a thousand
 
 
-@pytest.mark.parametrize(("seq_len", "query_len", "expected"), [
-    (144, 1, 144),   # context ≤ S + W: everything
-    (1501, 1, 349),  # S=16 → 1 block of 128; window from 1372 → block 10; 1501 - 9·128
-    (1504, 4, 352),  # the first query position decides: 1500 − 128 = 1372, still block 10
-])
+@pytest.mark.parametrize(
+    ("seq_len", "query_len", "expected"),
+    [
+        (144, 1, 144),  # context ≤ S + W: everything
+        (1501, 1, 349),  # S=16 → 1 block of 128; window from 1372 → block 10; 1501 - 9·128
+        (1504, 4, 352),  # the first query position decides: 1500 − 128 = 1372, still block 10
+    ],
+)
 def test_worked_examples(seq_len, query_len, expected):
     assert win.windowed_seq_len(seq_len, query_len, 16, 128, 128) == expected
 
@@ -97,7 +100,7 @@ def test_worked_examples(seq_len, query_len, expected):
 def test_window_smaller_than_a_block_and_no_sink():
     # S = 0, W = 8 < B = 256: the window is the block holding p0 − 8 and what follows.
     assert win.kept_blocks(1000, 1, 0, 8, 256) == [3]
-    assert win.kept_blocks(1025, 1, 0, 8, 256) == [3, 4]   # p0 − 8 = 1016 lies in block 3
+    assert win.kept_blocks(1025, 1, 0, 8, 256) == [3, 4]  # p0 − 8 = 1016 lies in block 3
     assert win.kept_blocks(1033, 1, 0, 8, 256) == [4]
 
 
@@ -114,17 +117,20 @@ def test_parse_config():
     assert win.parse_config({"wmtp": {"sink": 0, "window": 1}}) == win.WindowConfig(0, 1)
 
 
-@pytest.mark.parametrize(("raw", "message"), [
-    ({"sink": -1, "window": 128}, "wmtp.sink must be an integer ≥ 0"),
-    ({"sink": 16, "window": 0}, "wmtp.window must be an integer ≥ 1"),
-    ({"sink": 16}, "wmtp.window must be an integer"),
-    ({"sink": None, "window": 128}, "wmtp.sink must be an integer"),
-    ({"sink": True, "window": 128}, "wmtp.sink must be an integer"),
-    ({"sink": 16, "window": 128, "ring": "no"}, "wmtp.ring must be true or false"),
-    ({"sink": 16, "window": 128, "ring": True}, "phase 2"),
-    ({"sink": 16, "window": 128, "windw": 3}, "unknown keys ['windw']"),
-    ([16, 128], "must be an object"),
-])
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"sink": -1, "window": 128}, "wmtp.sink must be an integer ≥ 0"),
+        ({"sink": 16, "window": 0}, "wmtp.window must be an integer ≥ 1"),
+        ({"sink": 16}, "wmtp.window must be an integer"),
+        ({"sink": None, "window": 128}, "wmtp.sink must be an integer"),
+        ({"sink": True, "window": 128}, "wmtp.sink must be an integer"),
+        ({"sink": 16, "window": 128, "ring": "no"}, "wmtp.ring must be true or false"),
+        ({"sink": 16, "window": 128, "ring": True}, "phase 2"),
+        ({"sink": 16, "window": 128, "windw": 3}, "unknown keys ['windw']"),
+        ([16, 128], "must be an object"),
+    ],
+)
 def test_parse_config_names_the_bad_field(raw, message):
     with pytest.raises(win.WindowConfigError, match=r"^--additional-config wmtp") as err:
         win.parse_config({"wmtp": raw})

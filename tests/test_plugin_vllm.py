@@ -56,14 +56,25 @@ WIDE_OPEN = (0, 1_000_000)  # W beyond every context: the wrapper hands the meta
 POISON_LENGTH = 1100
 EPS = 0.05
 SERVER_TIMEOUT_S = 420
-ENGINE_ARGS = ["--dtype", "bfloat16", "--enforce-eager", "--no-enable-prefix-caching",
-               "--max-num-batched-tokens", str(CHUNK_TOKENS)]
+ENGINE_ARGS = [
+    "--dtype",
+    "bfloat16",
+    "--enforce-eager",
+    "--no-enable-prefix-caching",
+    "--max-num-batched-tokens",
+    str(CHUNK_TOKENS),
+]
 ACTIVE_LINE = "wmtp: windowed MTP draft active"
 
 
 def _run_engine(python: str, code: str, timeout_s: float = 300, env: dict | None = None) -> str:
-    out = subprocess.run([python, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                         timeout=timeout_s, env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        [python, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, **(env or {})},
+    )
     assert out.returncode == 0, f"engine script failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
     return out.stdout
 
@@ -71,7 +82,7 @@ def _run_engine(python: str, code: str, timeout_s: float = 300, env: dict | None
 # --------------------------------------------------------------------------------------------------
 # check_hook_points against fake vLLM source trees (no engine needed)
 
-FAKE_PROPOSER = '''
+FAKE_PROPOSER = """
 class SpecDecodeBaseProposer:
     def propose(self):
         self.build_per_group_and_layer_attn_metadata(cm)
@@ -80,8 +91,8 @@ class SpecDecodeBaseProposer:
 
     def build_per_group_and_layer_attn_metadata(self, common_attn_metadata, draft_index=0):
         pass
-'''
-FAKE_BACKEND = '''
+"""
+FAKE_BACKEND = """
 class CommonAttentionMetadata:
     query_start_loc: object
     seq_lens: object
@@ -91,7 +102,7 @@ class CommonAttentionMetadata:
     seq_lens_cpu_upper_bound: object = None
     dcp_local_seq_lens: object = None
     _num_computed_tokens_cache: object = None
-'''
+"""
 
 
 def _fake_vllm(root: Path, proposer: str = FAKE_PROPOSER, backend: str = FAKE_BACKEND) -> Path:
@@ -119,17 +130,32 @@ def test_check_hook_points_accepts_the_expected_shape(tmp_path, monkeypatch):
     assert found["calls_in_propose"] == 2
 
 
-@pytest.mark.parametrize(("proposer", "backend", "message"), [
-    (FAKE_PROPOSER.replace("SpecDecodeBaseProposer", "BaseProposer"), FAKE_BACKEND,
-     "vLLM 9.9.9: vllm.v1.spec_decode.llm_base_proposer has no class SpecDecodeBaseProposer"),
-    (FAKE_PROPOSER.replace("def build_per_group_and_layer_attn_metadata", "def build_metadata"), FAKE_BACKEND,
-     "vLLM 9.9.9: vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer has no method "
-     "build_per_group_and_layer_attn_metadata"),
-    (FAKE_PROPOSER.replace("common_attn_metadata, draft_index=0", "cm, draft_index=0"), FAKE_BACKEND,
-     "takes ['cm', 'draft_index']"),
-    (FAKE_PROPOSER, FAKE_BACKEND.replace("seq_lens_cpu_upper_bound", "seq_lens_cpu"),
-     "vLLM 9.9.9: vllm.v1.attention.backend.CommonAttentionMetadata has no field seq_lens_cpu_upper_bound"),
-])
+@pytest.mark.parametrize(
+    ("proposer", "backend", "message"),
+    [
+        (
+            FAKE_PROPOSER.replace("SpecDecodeBaseProposer", "BaseProposer"),
+            FAKE_BACKEND,
+            "vLLM 9.9.9: vllm.v1.spec_decode.llm_base_proposer has no class SpecDecodeBaseProposer",
+        ),
+        (
+            FAKE_PROPOSER.replace("def build_per_group_and_layer_attn_metadata", "def build_metadata"),
+            FAKE_BACKEND,
+            "vLLM 9.9.9: vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer has no method "
+            "build_per_group_and_layer_attn_metadata",
+        ),
+        (
+            FAKE_PROPOSER.replace("common_attn_metadata, draft_index=0", "cm, draft_index=0"),
+            FAKE_BACKEND,
+            "takes ['cm', 'draft_index']",
+        ),
+        (
+            FAKE_PROPOSER,
+            FAKE_BACKEND.replace("seq_lens_cpu_upper_bound", "seq_lens_cpu"),
+            "vLLM 9.9.9: vllm.v1.attention.backend.CommonAttentionMetadata has no field seq_lens_cpu_upper_bound",
+        ),
+    ],
+)
 def test_check_hook_points_names_what_is_missing(tmp_path, monkeypatch, proposer, backend, message):
     from wmtp.plugin.hookpoints import HookPointError
 
@@ -163,7 +189,7 @@ def test_an_engine_that_runs_another_checkouts_plugin_fails(tmp_path, monkeypatc
     (engine / "venv" / "bin").mkdir(parents=True)
     (engine / "manifest.json").write_text("{}")
     python = engine / "venv" / "bin" / "python"
-    python.write_text(f"#!/bin/sh\nPYTHONPATH={other.parent} exec {sys.executable} \"$@\"\n")
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={other.parent} exec {sys.executable} "$@"\n')
     python.chmod(0o755)
     monkeypatch.setenv("WMTP_ENGINES_DIR", str(tmp_path / "engines"))
     with pytest.raises(pytest.fail.Exception, match=r"not .*src/wmtp"):
@@ -296,8 +322,9 @@ save_file(state, str(path), metadata={"format": "pt"})
 
 
 def _build_model(python: str, out: Path, *extra: str) -> Path:
-    subprocess.run([python, "-m", "wmtp.tiny", "--out", str(out), *extra], check=True, capture_output=True,
-                   timeout=300)
+    subprocess.run(
+        [python, "-m", "wmtp.model.tiny", "--out", str(out), *extra], check=True, capture_output=True, timeout=300
+    )
     return out
 
 
@@ -311,9 +338,15 @@ def engine_env(work):
     # One vLLM cache and one short TMPDIR (ZMQ socket paths) for every engine: caches carry over.
     cache = work / "vllm-cache"
     cache.mkdir(exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="wmtp-plugin-", dir="/tmp"))
-    yield {"VLLM_CACHE_ROOT": str(cache), "TMPDIR": str(tmp), "VLLM_CPU_KVCACHE_SPACE": "1",
-           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    tmp = Path(tempfile.mkdtemp(prefix="wmtp-plugin-"))  # short: ZMQ socket paths are limited to 107 characters
+    yield {
+        "VLLM_CACHE_ROOT": str(cache),
+        "TMPDIR": str(tmp),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -420,10 +453,18 @@ json.dump({"results": results, "timings": timings}, open(sys.argv[2], "w"))
 def _engines(random_model: Path, zero_model: Path) -> list[dict]:
     every = [{"length": n} for n in PROMPT_LENGTHS]
     engines = [
-        {"name": "none", "arm": "none", "model": str(random_model),
-         "requests": [{**r, "tag": f"none {r['length']}"} for r in every]},
-        {"name": "mtp", "arm": "mtp", "model": str(random_model),
-         "requests": [{**r, "tag": f"mtp {r['length']}"} for r in every]},
+        {
+            "name": "none",
+            "arm": "none",
+            "model": str(random_model),
+            "requests": [{**r, "tag": f"none {r['length']}"} for r in every],
+        },
+        {
+            "name": "mtp",
+            "arm": "mtp",
+            "model": str(random_model),
+            "requests": [{**r, "tag": f"mtp {r['length']}"} for r in every],
+        },
     ]
     for window in WINDOWS:
         requests = [{**r, "tag": f"lossless {window} {r['length']}"} for r in every]
@@ -432,16 +473,45 @@ def _engines(random_model: Path, zero_model: Path) -> list[dict]:
             # point, read through that window and through a window wider than the context (= mtp).
             for read in (window, WIDE_OPEN):
                 for poisoned in (False, True):
-                    requests.append({"length": POISON_LENGTH, "tag": f"readset {read} {poisoned}",
-                                     "window": read, "poison": window if poisoned else None})
-        engines.append({"name": f"wmtp {window}", "arm": "wmtp", "window": window, "model": str(random_model),
-                        "requests": requests})
+                    requests.append(
+                        {
+                            "length": POISON_LENGTH,
+                            "tag": f"readset {read} {poisoned}",
+                            "window": read,
+                            "poison": window if poisoned else None,
+                        }
+                    )
+        engines.append(
+            {
+                "name": f"wmtp {window}",
+                "arm": "wmtp",
+                "window": window,
+                "model": str(random_model),
+                "requests": requests,
+            }
+        )
     for window in WINDOWS[:2]:
-        engines.append({"name": f"zero {window}", "arm": "wmtp", "window": window, "model": str(zero_model),
-                        "requests": [{"length": n, "tag": f"zero {window} {n}"} for n in PROMPT_LENGTHS[1:]]})
+        engines.append(
+            {
+                "name": f"zero {window}",
+                "arm": "wmtp",
+                "window": window,
+                "model": str(zero_model),
+                "requests": [{"length": n, "tag": f"zero {window} {n}"} for n in PROMPT_LENGTHS[1:]],
+            }
+        )
     # Last: a configuration the plugin refuses at start-up (the ring buffer is phase 2).
-    engines.append({"name": "ring", "arm": "wmtp", "window": WINDOWS[0], "ring": True, "model": str(zero_model),
-                    "requests": [], "expect_error": True})
+    engines.append(
+        {
+            "name": "ring",
+            "arm": "wmtp",
+            "window": WINDOWS[0],
+            "ring": True,
+            "model": str(zero_model),
+            "requests": [],
+            "expect_error": True,
+        }
+    )
     return engines
 
 
@@ -459,24 +529,42 @@ def engines(engine_python, random_model, zero_model, work, engine_env) -> dict:
     """Every arm and window through the real engine, in one interpreter (one import of vLLM)."""
     test_dir = work / "in-process"
     test_dir.mkdir()
-    spec = {"k": K, "max_tokens": MAX_TOKENS, "chunk": CHUNK_TOKENS,
-            "prompts": {str(n): p for n, p in _prompts().items()},
-            "engines": _engines(random_model, zero_model)}
+    spec = {
+        "k": K,
+        "max_tokens": MAX_TOKENS,
+        "chunk": CHUNK_TOKENS,
+        "prompts": {str(n): p for n, p in _prompts().items()},
+        "engines": _engines(random_model, zero_model),
+    }
     (test_dir / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, **engine_env, "WMTP_PLUGIN_TEST_DIR": str(test_dir),
-           # One thread, as vLLM's CPU worker sets itself in a server; spinning OpenMP threads on a
-           # busy 2-core box slow the in-process engine several-fold.
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        **engine_env,
+        "WMTP_PLUGIN_TEST_DIR": str(test_dir),
+        # One thread, as vLLM's CPU worker sets itself in a server; spinning OpenMP threads on a
+        # busy 2-core box slow the in-process engine several-fold.
+        "OMP_NUM_THREADS": "1",
+    }
     log = test_dir / "driver.log"
     with log.open("w") as out:
-        proc = subprocess.run([engine_python, "-c", DRIVER, str(test_dir / "spec.json"), str(test_dir / "out.json")],
-                              stdout=out, stderr=subprocess.STDOUT, env=env, timeout=900, check=False)
+        proc = subprocess.run(
+            [engine_python, "-c", DRIVER, str(test_dir / "spec.json"), str(test_dir / "out.json")],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=900,
+            check=False,
+        )
     text = log.read_text(errors="replace")
     assert proc.returncode == 0, f"in-process engines failed ({proc.returncode}):\n{text[-5000:]}"
     done = json.loads((test_dir / "out.json").read_text())
     outputs = {(r["engine"], r["tag"]): r for r in done["results"]}
-    return {"outputs": outputs, "records": _read_records(test_dir / "records.jsonl"), "log": text,
-            "timings": done["timings"]}
+    return {
+        "outputs": outputs,
+        "records": _read_records(test_dir / "records.jsonl"),
+        "log": text,
+        "timings": done["timings"],
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -486,18 +574,30 @@ def engines(engine_python, random_model, zero_model, work, engine_env) -> dict:
 @pytest.fixture(scope="module")
 def server_run(engine_python, zero_model, work, engine_env, engines) -> dict:
     """Arm wmtp on the all-zero lm_head model as a real OpenAI server; stopped before the tests read."""
-    from wmtp.client import complete
-    from wmtp.counters import delta
     from wmtp.engines import ServeRequest
     from wmtp.engines import vllm as adapter
-    from wmtp.server import ServerProcess, free_port, group_alive
+    from wmtp.measure.client import complete
+    from wmtp.measure.counters import delta
+    from wmtp.measure.server import ServerProcess, free_port, group_alive
 
     run_dir = work / "server"
     run_dir.mkdir()
     port = free_port()
     sink, window = WINDOWS[0]
-    argv = adapter.serve_argv(ServeRequest(engine_python, zero_model, "tiny", port, max_model_len=4096, arm="wmtp",
-                                           k=K, sink=sink, window=window, engine_args=ENGINE_ARGS))
+    argv = adapter.serve_argv(
+        ServeRequest(
+            engine_python,
+            zero_model,
+            "tiny",
+            port,
+            max_model_len=4096,
+            arm="wmtp",
+            k=K,
+            sink=sink,
+            window=window,
+            engine_args=ENGINE_ARGS,
+        )
+    )
     env = {**engine_env, "WMTP_PLUGIN_TEST_DIR": str(run_dir)}
     server = ServerProcess(argv, env, run_dir / "server.log", f"http://127.0.0.1:{port}")
     prompts = _prompts()
@@ -516,9 +616,14 @@ def server_run(engine_python, zero_model, work, engine_env, engines) -> dict:
     deadline = time.monotonic() + 20  # SIGKILLed workers take a moment to be reaped
     while pgid is not None and group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return {"outputs": outputs, "deltas": deltas, "records": _read_records(run_dir / "records.jsonl"),
-            "log": (run_dir / "server.log").read_text(errors="replace"), "pgid": pgid,
-            "timings": {"healthy_s": healthy_s, "total_s": time.monotonic() - started}}
+    return {
+        "outputs": outputs,
+        "deltas": deltas,
+        "records": _read_records(run_dir / "records.jsonl"),
+        "log": (run_dir / "server.log").read_text(errors="replace"),
+        "pgid": pgid,
+        "timings": {"healthy_s": healthy_s, "total_s": time.monotonic() - started},
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -526,7 +631,7 @@ def server_run(engine_python, zero_model, work, engine_env, engines) -> dict:
 
 
 def _assert_equal_up_to_numerics(reference: dict, other: dict, what: str) -> None:
-    from wmtp.equality import equal_up_to_numerics
+    from wmtp.measure.equality import equal_up_to_numerics
 
     assert len(other["ids"]) == MAX_TOKENS, what
     verdict = equal_up_to_numerics(reference["ids"], reference["gaps"], other["ids"], eps=EPS)
@@ -588,8 +693,11 @@ def test_windowed_draft_reads_nothing_outside_sink_and_window(engines):
     def run(read, poisoned):
         tag = f"readset {read} {poisoned}"
         entries = records[tag]
-        return (_proposals(entries), [e for e in entries if e["kind"] == "poison"],
-                outputs[(f"wmtp {design}", tag)]["ids"])
+        return (
+            _proposals(entries),
+            [e for e in entries if e["kind"] == "poison"],
+            outputs[(f"wmtp {design}", tag)]["ids"],
+        )
 
     clean, _, clean_out = run(design, False)
     dirty, poisons, dirty_out = run(design, True)
@@ -606,9 +714,11 @@ def test_windowed_draft_reads_nothing_outside_sink_and_window(engines):
     # With o_proj ×30 the window changes most proposals against the full-context draft.
     differ = sum(a != b for a, b in zip(clean, open_clean, strict=False))
     assert differ > len(clean) // 2, f"windowed proposals differ from mtp's in only {differ}/{len(clean)}"
-    print(f"read set: {len(clean)} proposals; poisoned outside sink ∪ window: 0 changed (windowed), "
-          f"{changed}/{len(open_clean)} changed (full context); windowed vs full: {differ} differ",
-          file=sys.stderr)
+    print(
+        f"read set: {len(clean)} proposals; poisoned outside sink ∪ window: 0 changed (windowed), "
+        f"{changed}/{len(open_clean)} changed (full context); windowed vs full: {differ} differ",
+        file=sys.stderr,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -628,16 +738,18 @@ def test_draft_table_and_seq_lens_are_bounded_and_exact(engines, server_run):
         sink, window, block = b["sink"], b["window"], b["block_size"]
         assert b["table_width"] <= win.table_width_bound(b["max_query_len"], sink, window, block)
         assert b["windowed_max_seq_len"] <= win.seq_len_bound(b["max_query_len"], sink, window, block)
-        for full, kept_ids, seq, query, length in zip(b["full_blocks"], b["windowed_blocks"], b["seq_lens"],
-                                                      b["query_lens"], b["windowed_seq_lens"], strict=True):
+        for full, kept_ids, seq, query, length in zip(
+            b["full_blocks"], b["windowed_blocks"], b["seq_lens"], b["query_lens"], b["windowed_seq_lens"], strict=True
+        ):
             assert length == win.windowed_seq_len(seq, query, sink, window, block)
             assert kept_ids == [full[j] for j in win.kept_blocks(seq, query, sink, window, block)]
             windowed += length < seq
     assert windowed > 0
     # Draft steps after the first (one query token) get one table width at every context length.
     for window_cfg in WINDOWS:
-        widths = {b["table_width"] for b in builds
-                  if (b["sink"], b["window"]) == window_cfg and b["max_query_len"] == 1}
+        widths = {
+            b["table_width"] for b in builds if (b["sink"], b["window"]) == window_cfg and b["max_query_len"] == 1
+        }
         assert len(widths) == 1, (window_cfg, widths)
 
 
@@ -672,7 +784,7 @@ def test_server_loads_plugin_logs_once_and_leaves_nothing(server_run, engines):
     lines = [line for line in server_run["log"].splitlines() if ACTIVE_LINE in line]
     assert len(lines) == 1, lines
     assert "(Worker" in lines[0] and "sink S=16, window W=128, KV block size" in lines[0]
-    from wmtp.server import group_alive
+    from wmtp.measure.server import group_alive
 
     assert not group_alive(server_run["pgid"]), "the server's process group outlived the test"
     # In process: each windowed engine logs once; none and mtp stay silent and record nothing.

@@ -1,4 +1,4 @@
-"""wmtp.power: pure helpers, the real "no NVML here" path, and edge cases driven through a small fake NVML."""
+"""wmtp.measure.power: pure helpers, the real "no NVML here" path, and edge cases driven through a small fake NVML."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from wmtp import power
+from wmtp.measure import power
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ class FakeNVML:
     def reset_counter(self) -> None:
         self._acc_mj, self._t = 0.0, time.monotonic()
 
-    # the NVML surface wmtp.power uses
+    # the NVML surface wmtp.measure.power uses
     def nvmlInit(self):
         if self.init_error is not None:
             raise FakeNVMLError(self.init_error)
@@ -107,9 +107,7 @@ class FakeNVML:
     def nvmlDeviceGetFieldValues(self, handle, field_ids):
         assert field_ids == [self.NVML_FI_DEV_POWER_INSTANT]
         ret = 0 if self.instant else self.NVML_ERROR_NOT_SUPPORTED
-        return [
-            SimpleNamespace(nvmlReturn=ret, valueType=1, value=SimpleNamespace(uiVal=int(self.watts * 1000)))
-        ]
+        return [SimpleNamespace(nvmlReturn=ret, valueType=1, value=SimpleNamespace(uiVal=int(self.watts * 1000)))]
 
     def nvmlDeviceGetPowerUsage(self, handle):
         return int(self.watts * 1000)

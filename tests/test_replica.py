@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from wmtp import costmodel as cm  # noqa: E402
-from wmtp import replica as rp  # noqa: E402
+from wmtp.analyze import costmodel as cm  # noqa: E402
+from wmtp.replica import replica as rp  # noqa: E402
 
 MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
 BF16_TOL = 2e-2  # relative error of bf16 operands
@@ -322,7 +322,7 @@ def test_sweep_dry_run_on_cpu(tmp_path):
         models.append(str(path))
     out = tmp_path / "out"
     argv = ["sweep", "--device", "cpu", "--models", *models, "--contexts", "600,1000", "--ks", "1,3"]
-    argv += ["--reps", "2", "--window", "64", "--out", str(out), "--attn-bench", "800"]
+    argv += ["--reps", "2", "--sink", "16", "--window", "64", "--out", str(out), "--attn-bench", "800"]
     assert rp.main(argv) == 0
     names = sorted(p.name for p in out.iterdir())
     assert names == sorted([f"{t}.csv" for t in rp.TABLES] + ["replica_manifest.json"]), names

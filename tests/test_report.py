@@ -1,4 +1,4 @@
-"""wmtp.report: published CSVs, figure-ready sections, and the real papermill + nbconvert rendering."""
+"""wmtp.report.report: published CSVs, figure-ready sections, and the real papermill + nbconvert rendering."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from wmtp import report
+from wmtp.report import report
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = Path(__file__).parent / "fixtures" / "tidy_synthetic" / "make_tidy.py"
@@ -233,14 +233,14 @@ def test_report_data_for_a_cpu_shaped_study(tmp_path, make_tidy):
 
 
 def test_costmodel_missing_is_a_note(monkeypatch, full_tidy_dir):
-    monkeypatch.setitem(sys.modules, "wmtp.costmodel", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "wmtp.analyze.costmodel", None)  # import raises ImportError
     section = report.costmodel_section(report.load_tidy(full_tidy_dir))
     assert not section.available
     assert section.notes == (report.NOTE_COSTMODEL_MISSING,)
 
 
 def test_costmodel_section_when_available(full_tidy_dir):
-    pytest.importorskip("wmtp.costmodel")
+    pytest.importorskip("wmtp.analyze.costmodel")
     section = report.costmodel_section(report.load_tidy(full_tidy_dir))
     assert section.available
     share = section.frame.query("quantity == 'draft_share_pct' and arm == 'mtp' and rung == 131290").iloc[0]
@@ -344,10 +344,10 @@ def _raw_fixture_studies() -> list[Path]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("raw_dir", _raw_fixture_studies() or [None], ids=lambda p: p.name if p else "none")
 def test_render_from_real_raw_cells(tmp_path, raw_dir: Path | None):
-    """Real raw files → wmtp.tidy.collect → the report, whatever arms and power the run had."""
+    """Real raw files → wmtp.analyze.tidy.collect → the report, whatever arms and power the run had."""
     if raw_dir is None:
         pytest.skip("no fixture of real raw cell files under tests/fixtures yet")
-    from wmtp.tidy import collect
+    from wmtp.analyze.tidy import collect
 
     cells = [m.parent for m in raw_dir.rglob("manifest.json")]
     tidy = tmp_path / "results" / "real" / "tidy"
@@ -374,7 +374,8 @@ def two_workload_tidy_dir(tmp_path_factory, make_tidy) -> Path:
     out.mkdir(parents=True)
     for name, frame in frames.items():
         pd.concat([frame.assign(workload="code"), copy[name]], ignore_index=True).to_parquet(
-            out / f"{name}.parquet", index=False)
+            out / f"{name}.parquet", index=False
+        )
     return out
 
 
@@ -396,7 +397,8 @@ def test_workloads_are_separate_series_matched_to_their_own_baseline(two_workloa
     # the measured wedge gets a panel per workload; published numbers are matched on code prompts only
     assert {p for p in data.wedge.frame["panel"] if "this study" in p} == {
         "qwen3.6-35b-a3b-nvfp4 · this study · code prompts",
-        "qwen3.6-35b-a3b-nvfp4 · this study · copy task (repeats a far-back passage)"}
+        "qwen3.6-35b-a3b-nvfp4 · this study · copy task (repeats a far-back passage)",
+    }
     cmp = data.published_vs_measured.frame
     cyc = cmp[cmp["quantity"] == "cycle_ms"]
     assert (cyc["relative_difference"].abs() < 0.01).all()

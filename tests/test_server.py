@@ -10,7 +10,7 @@ import sys
 import textwrap
 import time
 
-from wmtp.server import ServerError, ServerProcess, free_port, group_alive
+from wmtp.measure.server import ServerError, ServerProcess, free_port, group_alive
 
 # A "server" that forks a worker (like vLLM's engine core) and answers /health.
 FAKE_SERVER = textwrap.dedent("""
@@ -28,8 +28,9 @@ FAKE_SERVER = textwrap.dedent("""
 
 def test_stop_kills_the_whole_group(tmp_path):
     port = free_port()
-    server = ServerProcess([sys.executable, "-c", FAKE_SERVER, str(port)], {}, tmp_path / "s.log",
-                           f"http://127.0.0.1:{port}")
+    server = ServerProcess(
+        [sys.executable, "-c", FAKE_SERVER, str(port)], {}, tmp_path / "s.log", f"http://127.0.0.1:{port}"
+    )
     with server:
         assert server.wait_healthy(timeout_s=30) < 30
         pgid = server.pid
@@ -38,8 +39,12 @@ def test_stop_kills_the_whole_group(tmp_path):
 
 
 def test_server_that_dies_is_reported_with_its_log(tmp_path):
-    server = ServerProcess([sys.executable, "-c", "print('no model here'); raise SystemExit(3)"], {},
-                           tmp_path / "s.log", f"http://127.0.0.1:{free_port()}")
+    server = ServerProcess(
+        [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"],
+        {},
+        tmp_path / "s.log",
+        f"http://127.0.0.1:{free_port()}",
+    )
     with server:
         try:
             server.wait_healthy(timeout_s=30)
@@ -55,7 +60,7 @@ def test_server_dies_with_a_killed_starter(tmp_path):
     starter = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from wmtp.server import ServerProcess
+        from wmtp.measure.server import ServerProcess
         s = ServerProcess([sys.executable, "-c", {FAKE_SERVER!r}, "{port}"], {{}}, Path({str(tmp_path / "s.log")!r}),
                           "http://127.0.0.1:{port}")
         s.start(); s.wait_healthy(30); print(s.pid, flush=True); time.sleep(3600)

@@ -14,20 +14,31 @@ import httpx
 import pandas as pd
 import pytest
 
-from wmtp.client import complete
 from wmtp.config import Cell, EngineSpec, study_from_dict
 from wmtp.engines import ServeRequest, adapter, sglang
 from wmtp.engines.vllm import VLLMAdapter
+from wmtp.measure.client import complete
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
 FAKE_SITE = FIXTURES / "fake_site"
 
 
 def _argv(arm: str, k: int = 3, sink: int | None = None, window: int | None = None, engine_args=None):
-    return sglang.serve_argv(ServeRequest("/env/bin/python", "/models/q", "q", 8123, max_model_len=1_049_600, arm=arm,
-                                          k=k, sink=sink, window=window,
-                                          engine_args=engine_args or ["--mem-fraction-static", "0.8"],
-                                          model_args=["--trust-remote-code"]))
+    return sglang.serve_argv(
+        ServeRequest(
+            "/env/bin/python",
+            "/models/q",
+            "q",
+            8123,
+            max_model_len=1_049_600,
+            arm=arm,
+            k=k,
+            sink=sink,
+            window=window,
+            engine_args=engine_args or ["--mem-fraction-static", "0.8"],
+            model_args=["--trust-remote-code"],
+        )
+    )
 
 
 def _value(argv: list[str], flag: str) -> str:
@@ -68,8 +79,9 @@ def test_wmtp_arm_adds_window_sink_and_an_honouring_backend():
     assert _value(argv, "--speculative-draft-sink-size") == "64"
     assert _value(argv, "--speculative-draft-attention-backend") in sglang.WINDOW_BACKENDS
     mtp = _argv("mtp", k=3)
-    assert [a for a in argv if a not in ("--speculative-draft-window-size", "4032",
-                                         "--speculative-draft-sink-size", "64")] == mtp
+    assert [
+        a for a in argv if a not in ("--speculative-draft-window-size", "4032", "--speculative-draft-sink-size", "64")
+    ] == mtp
 
 
 def test_wmtp_keeps_a_chosen_triton_backend_and_refuses_one_that_ignores_the_window():
@@ -99,11 +111,18 @@ def test_server_env_keeps_caches_in_the_cell(tmp_path):
 
 # --- version detection ------------------------------------------------------------------------------
 
+
 def _probe(site: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-c", sglang.VERSION_PROBE], capture_output=True, text=True,
-                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, timeout=120, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", sglang.VERSION_PROBE],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+        timeout=120,
+        check=True,
+    )
     line = next(x for x in proc.stdout.splitlines() if x.startswith("WMTP-PROBE "))
-    return json.loads(line[len("WMTP-PROBE "):])
+    return json.loads(line[len("WMTP-PROBE ") :])
 
 
 def test_probe_finds_the_window_flags_and_backends():
@@ -149,6 +168,7 @@ def test_check_cell_refuses_cpu_and_ring():
 
 # --- response parsing -------------------------------------------------------------------------------
 
+
 def _stream_client(text: str) -> httpx.Client:
     seen = {}
 
@@ -174,16 +194,38 @@ def test_native_generate_meta_info_and_the_older_histogram_name():
     meta = json.loads((FIXTURES / "generate_meta_info.json").read_text())
     fields = sglang.request_fields({"meta_info": meta["meta_info"]})
     assert fields == {"spec_verify_ct": 3, "spec_correct_drafts": 5, "spec_accept_histogram": [0, 2, 0, 1]}
-    assert sglang.request_fields({}) == {"spec_verify_ct": None, "spec_correct_drafts": None,
-                                         "spec_accept_histogram": None}
+    assert sglang.request_fields({}) == {
+        "spec_verify_ct": None,
+        "spec_correct_drafts": None,
+        "spec_accept_histogram": None,
+    }
 
 
 def test_rung_counters_give_design_tok_per_verify():
-    rows = [{"rung": 64, "completion_tokens": 9, **sglang.request_fields(
-        {"sglext": {"spec_tokens_details": {"spec_verify_ct": 3, "spec_num_correct_drafts": 5,
-                                            "spec_correct_drafts_histogram": [0, 2, 0, 1]}}})},
-            {"rung": 64, "completion_tokens": 9, "spec_verify_ct": 4, "spec_correct_drafts": 4,
-             "spec_accept_histogram": [1, 2, 1, 0]}]
+    rows = [
+        {
+            "rung": 64,
+            "completion_tokens": 9,
+            **sglang.request_fields(
+                {
+                    "sglext": {
+                        "spec_tokens_details": {
+                            "spec_verify_ct": 3,
+                            "spec_num_correct_drafts": 5,
+                            "spec_correct_drafts_histogram": [0, 2, 0, 1],
+                        }
+                    }
+                }
+            ),
+        },
+        {
+            "rung": 64,
+            "completion_tokens": 9,
+            "spec_verify_ct": 4,
+            "spec_correct_drafts": 4,
+            "spec_accept_histogram": [1, 2, 1, 0],
+        },
+    ]
     c = sglang.counters_from_requests(rows, "mtp", 3)
     assert c["drafts"] == 7 and c["draft_tokens"] == 21
     # tidy's 1 + accepted/drafts is DESIGN's completion_tokens / spec_verify_ct, pooled over the rung.
@@ -199,26 +241,48 @@ def test_rung_counters_give_design_tok_per_verify():
 
 # --- one study end to end against the stand-in server ------------------------------------------------
 
+
 def test_cells_against_a_stand_in_server(tmp_path, tiny_tokenizer):
-    from wmtp.cell import CellRun, run_cell
-    from wmtp.tidy import collect
+    from wmtp.analyze.tidy import collect
+    from wmtp.measure.cell import CellRun, run_cell
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     shutil.copy(tiny_tokenizer, model_dir / "tokenizer.json")
     raw = {
-        "study": "sg", "results_dir": str(tmp_path / "results"),
-        "engines": [{"name": "sg", "kind": "sglang", "device": "cuda", "source": "python",
-                     "python": sys.executable, "env": {"PYTHONPATH": str(FAKE_SITE)}}],
+        "study": "sg",
+        "results_dir": str(tmp_path / "results"),
+        "engines": [
+            {
+                "name": "sg",
+                "kind": "sglang",
+                "device": "cuda",
+                "source": "python",
+                "python": sys.executable,
+                "env": {"PYTHONPATH": str(FAKE_SITE)},
+            }
+        ],
         "models": [{"name": "m", "path": str(model_dir), "max_model_len": 4096}],
         "arms": [{"name": "none"}, {"name": "mtp", "k": [3]}, {"name": "wmtp", "k": [3], "sink": [4], "window": [64]}],
-        "protocol": {"rungs": [64, 160], "repeats": 2, "output_tokens": 17, "warmup_requests": 1,
-                     "warmup_prompt_tokens": 16, "warmup_output_tokens": 4, "health_timeout_s": 60,
-                     "request_timeout_s": 60},
+        "protocol": {
+            "rungs": [64, 160],
+            "repeats": 2,
+            "output_tokens": 17,
+            "warmup_requests": 1,
+            "warmup_prompt_tokens": 16,
+            "warmup_output_tokens": 4,
+            "health_timeout_s": 60,
+            "request_timeout_s": 60,
+        },
     }
     study = study_from_dict(raw, base_dir=tmp_path)
-    manifest = {"python": sys.executable, "engine": "sg", "kind": "sglang", "source": "python",
-                "versions": _probe(FAKE_SITE)}
+    manifest = {
+        "python": sys.executable,
+        "engine": "sg",
+        "kind": "sglang",
+        "source": "python",
+        "versions": _probe(FAKE_SITE),
+    }
     dirs = []
     for cell in study.cells():
         out = tmp_path / "results" / "sg" / "raw" / cell.cell_id

@@ -82,10 +82,17 @@ def _ci_profile(tmp: Path) -> Path:
     profile["set-resources"]["cell"].update(mem_mb=8000, cpus_per_task=2, runtime=30)
     profile["set-resources"]["tiny_model"].update(mem_mb=4000, runtime=15)
     profile["default-resources"].update(mem_mb=1000, runtime=10)
-    profile.update({"latency-wait": 15, "retries": 0, "local-cores": 2,
-                    # Poll soon and often: cells here take a minute or two, not hours.
-                    "slurm-init-seconds-before-status-checks": 5, "slurm-keep-successful-logs": True,
-                    "slurm-logdir": str(tmp / "slurm_logs")})
+    profile.update(
+        {
+            "latency-wait": 15,
+            "retries": 0,
+            "local-cores": 2,
+            # Poll soon and often: cells here take a minute or two, not hours.
+            "slurm-init-seconds-before-status-checks": 5,
+            "slurm-keep-successful-logs": True,
+            "slurm-logdir": str(tmp / "slurm_logs"),
+        }
+    )
     out = tmp / "profile-slurm-ci"
     out.mkdir()
     (out / "config.yaml").write_text(yaml.safe_dump(profile))
@@ -96,20 +103,38 @@ def _ci_profile(tmp: Path) -> Path:
 def slurm_run(slurm, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("slurm")
     raw = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    raw.update(study="embedded-slurm", results_dir=str(tmp / "results"), engines_dir=str(ENGINES),
-               models_dir=str(tmp / "models"), arms=[{"name": "mtp", "k": [3]}],
-               # the random-weight model: its generation is a batch job without a GPU, next to the cell's
-               models=[{"name": "tiny", "generate": "tiny", "seed": 0, "max_model_len": 4096}])
-    raw["protocol"].update(rungs=[RUNG], workloads=["code"], repeats=1, output_tokens=12, warmup_requests=1,
-                           warmup_output_tokens=4)
+    raw.update(
+        study="embedded-slurm",
+        results_dir=str(tmp / "results"),
+        engines_dir=str(ENGINES),
+        models_dir=str(tmp / "models"),
+        arms=[{"name": "mtp", "k": [3]}],
+        # the random-weight model: its generation is a batch job without a GPU, next to the cell's
+        models=[{"name": "tiny", "generate": "tiny", "seed": 0, "max_model_len": 4096}],
+    )
+    raw["protocol"].update(
+        rungs=[RUNG], workloads=["code"], repeats=1, output_tokens=12, warmup_requests=1, warmup_output_tokens=4
+    )
     study = tmp / "study.yaml"
     study.write_text(yaml.safe_dump(raw))
     profile = _ci_profile(tmp)
     log = tmp / "snakemake.log"
-    argv = ["timeout", "--kill-after=30", str(SNAKEMAKE_TIMEOUT_S), sys.executable, "-m", "snakemake",
-            "--workflow-profile", str(profile), "--configfile", str(study), "--nolock",
-            # The engine is shared with the other tests: its manifest's age decides, not its params.
-            "--rerun-triggers", "mtime"]
+    argv = [
+        "timeout",
+        "--kill-after=30",
+        str(SNAKEMAKE_TIMEOUT_S),
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--workflow-profile",
+        str(profile),
+        "--configfile",
+        str(study),
+        "--nolock",
+        # The engine is shared with the other tests: its manifest's age decides, not its params.
+        "--rerun-triggers",
+        "mtime",
+    ]
     cell_env: dict[str, str] = {}
     with log.open("w") as out:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
@@ -118,8 +143,10 @@ def slurm_run(slurm, tmp_path_factory):
                 cell_env = _cell_process_env(tmp / "results")
             time.sleep(1.0)
     text = log.read_text()
-    jobs = {m.group(2): m.group(1) for m in re.finditer(
-        r"submitted with SLURM jobid (\d+) \(log: \S*/slurm_logs/rule_(\w+)/", text)}
+    jobs = {
+        m.group(2): m.group(1)
+        for m in re.finditer(r"submitted with SLURM jobid (\d+) \(log: \S*/slurm_logs/rule_(\w+)/", text)
+    }
     if proc.returncode != 0:
         ids = list(jobs.values())
         if ids:
@@ -129,8 +156,14 @@ def slurm_run(slurm, tmp_path_factory):
     for rule, job_id in jobs.items():
         shown = subprocess.run(["scontrol", "-d", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
         job_info[rule] = shown
-    return {"tmp": tmp, "log": text, "jobs": jobs, "job_info": job_info, "cell_env": cell_env,
-            "results": tmp / "results" / "embedded-slurm"}
+    return {
+        "tmp": tmp,
+        "log": text,
+        "jobs": jobs,
+        "job_info": job_info,
+        "cell_env": cell_env,
+        "results": tmp / "results" / "embedded-slurm",
+    }
 
 
 def test_cells_become_slurm_jobs(slurm_run):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from wmtp import tidy
+from wmtp.analyze import tidy
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -16,19 +16,52 @@ def _write_cell(cell_dir: Path, workloads: dict[str, tuple[int, int, int]], rung
     """A drafting cell measured on each workload at one rung: (drafts, draft tokens, accepted) per workload."""
     cell_dir.mkdir(parents=True)
     cell_id = "model~tiny/engine~vllm-cpu/arm~mtp/k~3/c~1"
-    (cell_dir / "manifest.json").write_text(json.dumps({
-        "study": "t", "cell_id": cell_id, "power_status": "unavailable",
-        "cell": {"model": "tiny", "engine": "vllm-cpu", "arm": "mtp", "k": 3, "concurrency": 1}}))
+    (cell_dir / "manifest.json").write_text(
+        json.dumps(
+            {
+                "study": "t",
+                "cell_id": cell_id,
+                "power_status": "unavailable",
+                "cell": {"model": "tiny", "engine": "vllm-cpu", "arm": "mtp", "k": 3, "concurrency": 1},
+            }
+        )
+    )
     requests, counters = [], []
     for workload, (drafts, draft_tokens, accepted) in workloads.items():
         for repeat in range(2):
-            requests.append({"cell_id": cell_id, "workload": workload, "rung": rung, "repeat": repeat, "slot": 0,
-                             "warmup": False, "prompt_tokens": rung, "completion_tokens": 33, "ttft_s": 0.5,
-                             "decode_s": 0.4, "e2e_s": 0.9, "energy_decode_j": None})
-        for name, delta in (("drafts", drafts), ("draft_tokens", draft_tokens), ("accepted", accepted),
-                            ("accepted_pos_0", accepted)):
-            counters.append({"cell_id": cell_id, "workload": workload, "rung": rung, "counter": name,
-                             "before": 100.0, "after": 100.0 + delta, "delta": float(delta)})
+            requests.append(
+                {
+                    "cell_id": cell_id,
+                    "workload": workload,
+                    "rung": rung,
+                    "repeat": repeat,
+                    "slot": 0,
+                    "warmup": False,
+                    "prompt_tokens": rung,
+                    "completion_tokens": 33,
+                    "ttft_s": 0.5,
+                    "decode_s": 0.4,
+                    "e2e_s": 0.9,
+                    "energy_decode_j": None,
+                }
+            )
+        for name, delta in (
+            ("drafts", drafts),
+            ("draft_tokens", draft_tokens),
+            ("accepted", accepted),
+            ("accepted_pos_0", accepted),
+        ):
+            counters.append(
+                {
+                    "cell_id": cell_id,
+                    "workload": workload,
+                    "rung": rung,
+                    "counter": name,
+                    "before": 100.0,
+                    "after": 100.0 + delta,
+                    "delta": float(delta),
+                }
+            )
     pd.DataFrame(requests).to_parquet(cell_dir / "requests.parquet")
     pd.DataFrame(counters).to_parquet(cell_dir / "counters.parquet")
     return cell_dir

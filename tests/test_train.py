@@ -6,7 +6,7 @@ are the cost (~1 min each on two cores), so there are two, one module fixture ea
 read their results:
 
 - ``none``: the reference outputs (token ids and top-2 logprob gaps) on a held-out plain prompt and a
-  held-out copy task (wmtp.workload.copy_task_prompt), both 1,024 tokens;
+  held-out copy task (wmtp.measure.workload.copy_task_prompt), both 1,024 tokens;
 - ``wmtp`` (S=16, W=256): the same prompts twice — first with the window opened wider than any context,
   which the plugin hands through untouched (the stock MTP draft: the head's own acceptance), then at
   (16, 256), where the copy task's passage lies outside sink ∪ window. The window is switched between
@@ -24,13 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from wmtp.equality import equal_up_to_numerics
-from wmtp.train import FIXTURE_DIR, MANIFEST, TRAINED_SHAPE, FixtureError, install_fixture, split_files, verify
+from wmtp.measure.equality import equal_up_to_numerics
+from wmtp.model.train import FIXTURE_DIR, MANIFEST, TRAINED_SHAPE, FixtureError, install_fixture, split_files, verify
 
 REPO = Path(__file__).resolve().parents[1]
 
-# sha256 of model.safetensors after `python -m wmtp.train train --tiny --seed 0` with the fixture's tokenizer on
-# torch 2.13.0+cpu, per pinned CPU dispatch level (wmtp.train.CPU_DISPATCH). "avx2" was first computed on an
+# sha256 of model.safetensors after `python -m wmtp.model.train train --tiny --seed 0` with the fixture's tokenizer on
+# torch 2.13.0+cpu, per pinned CPU dispatch level (wmtp.model.train.CPU_DISPATCH). "avx2" was first computed on an
 # AVX2 CPU without pins and is reproduced pinned on an AVX-512 one (which unpinned writes b6f1fcc4…); another
 # torch build may round differently: then retrain, check that two runs agree, and update these with the reason.
 TINY_BUDGET_SHA256 = {
@@ -77,9 +77,17 @@ def test_fixture_tensors_use_vllms_names():
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     names = set(header) - {"__metadata__"}
     assert {header[n]["dtype"] for n in names} == {"BF16"}
-    for name in ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
-                 "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.mlp.gate.weight",
-                 "mtp.layers.0.mlp.experts.0.gate_proj.weight", "model.embed_tokens.weight", "lm_head.weight"):
+    for name in (
+        "mtp.fc.weight",
+        "mtp.pre_fc_norm_embedding.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+        "mtp.norm.weight",
+        "mtp.layers.0.self_attn.q_proj.weight",
+        "mtp.layers.0.mlp.gate.weight",
+        "mtp.layers.0.mlp.experts.0.gate_proj.weight",
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+    ):
         assert name in names, name
     assert not any(n.endswith("experts.gate_up_proj") for n in names)  # per-expert layout, as vLLM loads it
 
@@ -104,8 +112,8 @@ def test_heldout_files_are_disjoint_and_few():
 
 
 def test_copy_task_prompt_is_exact_and_repeats_its_passage():
-    from wmtp.train import heldout_text
-    from wmtp.workload import Corpus, PromptFactory, copy_task_prompt
+    from wmtp.measure.workload import Corpus, PromptFactory, copy_task_prompt
+    from wmtp.model.train import heldout_text
 
     factory = PromptFactory(FIXTURE_DIR / "tokenizer.json", corpus=Corpus(heldout_text(), "heldout"))
     for n in (1024, 4096):
@@ -119,7 +127,7 @@ def test_copy_task_prompt_is_exact_and_repeats_its_passage():
 
 def test_chain_mask_matches_vllm_draft_steps():
     torch = pytest.importorskip("torch")
-    from wmtp.train import chain_mask
+    from wmtp.model.train import chain_mask
 
     m = chain_mask(3, 2)[0, 0]
     # Draft step 2 started at i sees the first-pass entries 0..i and its own step-2 entry only.
@@ -134,8 +142,21 @@ def test_chain_mask_matches_vllm_draft_steps():
 
 
 def _train_tiny(python: str, out: Path, level: str, host_env: dict[str, str]) -> dict:
-    argv = [python, "-m", "wmtp.train", "train", "--tiny", "--seed", "0", "--out", str(out),
-            "--tokenizer", str(FIXTURE_DIR / "tokenizer.json"), "--budget", json.dumps({"cpu_dispatch": level})]
+    argv = [
+        python,
+        "-m",
+        "wmtp.model.train",
+        "train",
+        "--tiny",
+        "--seed",
+        "0",
+        "--out",
+        str(out),
+        "--tokenizer",
+        str(FIXTURE_DIR / "tokenizer.json"),
+        "--budget",
+        json.dumps({"cpu_dispatch": level}),
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env={**os.environ, **host_env})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / MANIFEST).read_text())
@@ -145,23 +166,34 @@ def _train_tiny(python: str, out: Path, level: str, host_env: dict[str, str]) ->
 @pytest.mark.parametrize("level", sorted(TINY_BUDGET_SHA256))
 def test_tiny_budget_reproduces_the_committed_hash_at_each_dispatch_level(engine_python, tmp_path, level):
     """Twice per level, once as this host would dispatch and once told to go wider: the same committed bytes."""
-    runs = [_train_tiny(engine_python, tmp_path / "plain", level, {}),
-            _train_tiny(engine_python, tmp_path / "wider", level, HOST_LEVELS)]
+    runs = [
+        _train_tiny(engine_python, tmp_path / "plain", level, {}),
+        _train_tiny(engine_python, tmp_path / "wider", level, HOST_LEVELS),
+    ]
     hashes = [run["files"]["model.safetensors"] for run in runs]
     assert [run["cpu_dispatch"] for run in runs] == [level, level]
     assert hashes[0] == hashes[1], f"two trainings at {level} differ: {hashes}"
-    assert hashes[0] == TINY_BUDGET_SHA256[level], (f"tiny-budget training at {level} gives {hashes[0]} on this "
-                                                    f"machine; committed: {TINY_BUDGET_SHA256[level]}")
+    assert hashes[0] == TINY_BUDGET_SHA256[level], (
+        f"tiny-budget training at {level} gives {hashes[0]} on this machine; committed: {TINY_BUDGET_SHA256[level]}"
+    )
 
 
 @pytest.mark.engine
 def test_training_refuses_an_unpinned_torch(engine_python):
     """Training inside a process whose torch picked its own vector width would write host-dependent bytes."""
-    code = ("import torch; from pathlib import Path; from wmtp.train import TINY_BUDGET, DispatchError, train_tiny\n"
-            "try:\n    train_tiny(Path('unused'), budget=TINY_BUDGET)\n"
-            "except DispatchError as err:\n    print('REFUSED', err)\n")
-    proc = subprocess.run([engine_python, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "ATEN_CPU_CAPABILITY": "default"})
+    code = (
+        "import torch; from pathlib import Path\n"
+        "from wmtp.model.train import TINY_BUDGET, DispatchError, train_tiny\n"
+        "try:\n    train_tiny(Path('unused'), budget=TINY_BUDGET)\n"
+        "except DispatchError as err:\n    print('REFUSED', err)\n"
+    )
+    proc = subprocess.run(
+        [engine_python, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "ATEN_CPU_CAPABILITY": "default"},
+    )
     assert "REFUSED" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     assert "pinned at 'avx2'" in proc.stdout
 
@@ -171,30 +203,51 @@ def test_training_refuses_an_unpinned_torch(engine_python):
 
 
 def _prompts() -> dict[str, str]:
-    from wmtp.train import heldout_text
-    from wmtp.workload import Corpus, PromptFactory, copy_task_prompt
+    from wmtp.measure.workload import Corpus, PromptFactory, copy_task_prompt
+    from wmtp.model.train import heldout_text
 
     factory = PromptFactory(FIXTURE_DIR / "tokenizer.json", corpus=Corpus(heldout_text(), "heldout"))
-    return {"plain": factory.prompt(PROMPT_TOKENS, 0, salt="test/plain"),
-            "copy": copy_task_prompt(factory, PROMPT_TOKENS, 0, salt="test/copy").text}
+    return {
+        "plain": factory.prompt(PROMPT_TOKENS, 0, salt="test/plain"),
+        "copy": copy_task_prompt(factory, PROMPT_TOKENS, 0, salt="test/copy").text,
+    }
 
 
-def _serve(python: str, arm: str, model_dir: Path, work: Path, requests: list[tuple[str, str, dict | None]],
-           sink: int | None = None, window: int | None = None) -> dict:
+def _serve(
+    python: str,
+    arm: str,
+    model_dir: Path,
+    work: Path,
+    requests: list[tuple[str, str, dict | None]],
+    sink: int | None = None,
+    window: int | None = None,
+) -> dict:
     """Start one server, run ``(label, prompt, control)`` requests in order, stop it; per-request results."""
     import yaml
 
-    from wmtp.client import complete
     from wmtp.config import study_from_dict
     from wmtp.engines import ServeRequest, vllm
-    from wmtp.server import ServerProcess, free_port, group_alive
+    from wmtp.measure.client import complete
+    from wmtp.measure.server import ServerProcess, free_port, group_alive
 
     study = study_from_dict(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), base_dir=REPO)
     spec = study.engines[0]
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    argv = vllm.serve_argv(ServeRequest(python, model_dir, "tiny", port, max_model_len=2048, arm=arm, k=K,
-                                        sink=sink, window=window, engine_args=spec.serve_args))
+    argv = vllm.serve_argv(
+        ServeRequest(
+            python,
+            model_dir,
+            "tiny",
+            port,
+            max_model_len=2048,
+            arm=arm,
+            k=K,
+            sink=sink,
+            window=window,
+            engine_args=spec.serve_args,
+        )
+    )
     short_tmp = Path(tempfile.mkdtemp(prefix="wmtp-tt-"))
     env = vllm.server_env(spec.env, work / "cache", short_tmp)
     control_dir = work / f"control-{arm}"
@@ -214,8 +267,11 @@ def _serve(python: str, arm: str, model_dir: Path, work: Path, requests: list[tu
             after = vllm.read_counters(base)
             assert done.prompt_tokens == PROMPT_TOKENS
             top = [sorted(t.values(), reverse=True) for t in done.top_logprobs]
-            results[label] = {"ids": done.token_ids, "gaps": [t[0] - t[1] if len(t) > 1 else 9.9 for t in top],
-                              **{k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}}
+            results[label] = {
+                "ids": done.token_ids,
+                "gaps": [t[0] - t[1] if len(t) > 1 else 9.9 for t in top],
+                **{k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
+            }
     finally:
         server.stop()
         shutil.rmtree(short_tmp, ignore_errors=True)

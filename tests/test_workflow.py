@@ -30,8 +30,13 @@ def test_lint_is_clean():
 
 
 def test_dry_run_embedded_study(tmp_path):
-    out = run("-n", "--config", f"results_dir={tmp_path}/results", f"models_dir={tmp_path}/models",
-              f"engines_dir={tmp_path}/engines")
+    out = run(
+        "-n",
+        "--config",
+        f"results_dir={tmp_path}/results",
+        f"models_dir={tmp_path}/models",
+        f"engines_dir={tmp_path}/engines",
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     jobs = job_counts(out.stdout)
     assert jobs["cell"] == 4 and jobs["engine"] == 1 and jobs["trained_model"] == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from wmtp.workload import PromptFactory, PromptLengthError, corpus_files, exact_length_text, load_corpus
+from wmtp.measure.workload import PromptFactory, PromptLengthError, corpus_files, exact_length_text, load_corpus
 
 
 @pytest.mark.parametrize("n", [1, 7, 48, 512, 1536, 3072])
@@ -47,7 +47,8 @@ def test_converge_or_fail():
 
 
 def test_workload_prompts_have_exact_lengths_and_copy_repeats_a_far_passage(tiny_tokenizer):
-    from wmtp.workload import COPY_MIN_TOKENS, copy_task_prompt, workload_prompt
+    from wmtp.config import COPY_MIN_TOKENS
+    from wmtp.measure.workload import copy_task_prompt, workload_prompt
 
     factory = PromptFactory(tiny_tokenizer)
     for n in (COPY_MIN_TOKENS, 4096):
@@ -69,7 +70,7 @@ def test_copy_task_converges_where_a_filler_ending_in_a_newline_steps_over_the_l
     length either fell one short or one over (its trailing newline merged with the tail's)."""
     from pathlib import Path
 
-    from wmtp.workload import copy_task_prompt
+    from wmtp.measure.workload import copy_task_prompt
 
     factory = PromptFactory(Path(__file__).parent / "fixtures" / "tiny-trained" / "tokenizer.json")
     for index in range(6):

@@ -1,4 +1,4 @@
-"""Proof on a real GPU that wmtp.power measures what it says (docs/design.md, "Power and energy").
+"""Proof on a real GPU that wmtp.measure.power measures what it says (docs/design.md, "Power and energy").
 
 Opens the meter, records ~3 s of idle with the sampler on, then runs bf16 8192³ matmuls for known
 durations, each load in its own energy window. For every window it reports the counter's energy, the
@@ -29,7 +29,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from wmtp import power
+from wmtp.measure import power
 
 log = logging.getLogger("power_check")
 
@@ -66,9 +66,7 @@ def nvml_call_ms(meter: power.PowerMeter, repeats: int = 20) -> dict[str, float]
     """Median latency of the queries the sampler makes (diagnoses a slow sampler)."""
     nvml, handle = meter._nvml, meter._handle  # diagnostics only: the script peeks at the meter's handle
     calls = {
-        "field_power_instant": lambda: nvml.nvmlDeviceGetFieldValues(
-            handle, [power._NVML_FI_DEV_POWER_INSTANT]
-        ),
+        "field_power_instant": lambda: nvml.nvmlDeviceGetFieldValues(handle, [power._NVML_FI_DEV_POWER_INSTANT]),
         "power_usage": lambda: nvml.nvmlDeviceGetPowerUsage(handle),
         "energy_counter": lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle),
         "clock_sm": lambda: nvml.nvmlDeviceGetClockInfo(handle, power._NVML_CLOCK_SM),
@@ -108,9 +106,7 @@ def describe(meter: power.PowerMeter, w: power.EnergyWindow, kind: str, nominal_
         "ratio_sampled_over_counter": ratio,
         "n_samples": len(rows),
         "samples_per_s": len(rows) / w.duration_s if w.duration_s > 0 else None,
-        "sample_gap_ms_max": max(
-            ((b["t_s"] - a["t_s"]) * 1000.0 for a, b in itertools.pairwise(rows)), default=None
-        ),
+        "sample_gap_ms_max": max(((b["t_s"] - a["t_s"]) * 1000.0 for a, b in itertools.pairwise(rows)), default=None),
         "power_w_sampled_mean": statistics.fmean(watts) if watts else None,
         "power_w_sampled_range": _range(rows, "power_w"),
         "power_sources": sorted({r["power_source"] for r in rows if r["power_source"]}),
@@ -222,9 +218,7 @@ def main(argv: list[str] | None = None, *, nvml: Any = None, load: Load | None =
     ap.add_argument("--loads", default="1,2,4,8", help="load windows, s, comma-separated")
     ap.add_argument("--rest", type=float, default=2.0, help="rest before the idle window and each load, s")
     ap.add_argument("--hz", type=float, default=10.0, help="sampler rate")
-    ap.add_argument(
-        "--check-min-s", type=float, default=2.0, help="check the ratio on loads this long or longer"
-    )
+    ap.add_argument("--check-min-s", type=float, default=2.0, help="check the ratio on loads this long or longer")
     ap.add_argument("--gpu", type=int, default=None, help="NVML index (default: from CUDA_VISIBLE_DEVICES)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)

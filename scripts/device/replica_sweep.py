@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
-from wmtp import replica  # noqa: E402
+from wmtp.replica import replica  # noqa: E402
 
 MODELS = [
     "config/models/qwen3.6-35b-a3b.json",
@@ -40,18 +40,30 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="first call: checks, attention bench, two points")
     ap.add_argument("--models", nargs="+", default=MODELS)
     ap.add_argument("--deadline-s", type=float, default=540.0, help="start no new point after this")
-    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="passed to wmtp.replica sweep")
+    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="passed to wmtp.replica.replica sweep")
     args = ap.parse_args()
     models = [str(ROOT / m) for m in args.models]
     common = ["sweep", "--out", str(args.out), "--sink", "64", "--window", "4032", "--deadline-s", str(args.deadline_s)]
     if args.quick:
-        bench = [*common, "--models", *models, "--attn-bench", "128k,1m", "--contexts", "none", "--reps", "20"]
+        bench = [
+            *common,
+            "--models",
+            *models,
+            "--attn-bench",
+            "128k,1m",
+            "--contexts",
+            "none",
+            "--ks",
+            "3",
+            "--reps",
+            "20",
+        ]
         rc = replica.main([*bench, *args.extra])
         if rc:
             return rc
         argv = [*common, "--models", models[0], "--contexts", "2k,1m", "--ks", "3", "--reps", "20"]
         return replica.main([*argv, *args.extra])
-    argv = [*common, "--models", *models, "--contexts", "2k,32k,128k,256k,512k,1m", "--ks", "1,3,5"]
+    argv = [*common, "--models", *models, "--contexts", "2k,32k,128k,256k,512k,1m", "--ks", "1,3,5", "--reps", "30"]
     return replica.main([*argv, *args.extra])
 
 

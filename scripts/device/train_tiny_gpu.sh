@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train the tiny hybrid MTP checkpoint on a GPU (an H200) with a larger budget than CPU training allows:
 # enough steps for the target (and its MTP head) to learn to copy a passage from far back, so that the
-# copy-task workload really needs far context. Same code as `python -m wmtp.train train` on CPU.
+# copy-task workload really needs far context. Same code as `python -m wmtp.model.train train` on CPU.
 #
 # Inputs copied into .gpu-inputs/ at the repository root beforehand (ignored by git):
 #   transformers-5.19.0-py3-none-any.whl   the engine venv's transformers (the GPU machine's image has 5.17)
@@ -17,5 +17,5 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 mkdir -p /tmp/stdlib && tar xzf .gpu-inputs/stdlib.tar.gz -C /tmp/stdlib
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-python3 -m wmtp.train train --out "$OUT/$name" --seed 0 --tokenizer tests/fixtures/tiny-trained/tokenizer.json \
+python3 -m wmtp.model.train train --out "$OUT/$name" --seed 0 --tokenizer tests/fixtures/tiny-trained/tokenizer.json \
   --stdlib /tmp/stdlib --budget "$budget" 2>&1 | tee "$OUT/$name.log"

@@ -17,8 +17,9 @@ def _setup_logging(log_file: Path | None) -> None:
     if log_file:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        handlers=handlers, force=True)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers, force=True
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
@@ -32,8 +33,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     cells = study.cells()
     protocol = study.protocol
     print(f"{args.config}: study {study.study!r} is valid: {len(cells)} cells")
-    print(f"  each sweeps rungs {', '.join(map(str, protocol.rungs))} × repeats {protocol.repeats} on "
-          f"workloads {', '.join(protocol.workloads)}")
+    print(
+        f"  each sweeps rungs {', '.join(map(str, protocol.rungs))} × repeats {protocol.repeats} on "
+        f"workloads {', '.join(protocol.workloads)}"
+    )
     for cell in cells:
         print(f"  {cell.cell_id}")
     return 0
@@ -44,28 +47,33 @@ def cmd_engine_build(args: argparse.Namespace) -> int:
 
     study = _study(args)
     spec = study.engine(args.engine)
-    build_engine(spec, Path(args.out).parent if args.out.endswith(".json") else Path(args.out),
-                 force=args.force)
+    build_engine(spec, Path(args.out).parent if args.out.endswith(".json") else Path(args.out), force=args.force)
     return 0
 
 
 def cmd_cell_run(args: argparse.Namespace) -> int:
-    from wmtp.cell import CellRun, run_cell
+    from wmtp.measure.cell import CellRun, run_cell
 
     study = _study(args)
     cell = Cell.from_id(study.study, args.cell)
     if cell not in study.cells():
         raise ConfigError(f"cell {args.cell!r} is not in study {study.study!r}")
     engine_manifest = json.loads(Path(args.engine_manifest).read_text())
-    run = CellRun(study=study, cell=cell, out_dir=Path(args.out), engine_manifest=engine_manifest,
-                  model_dir=Path(args.model_dir), gpu_index=args.gpu,
-                  cache_dir=Path(args.engine_manifest).resolve().parent / "cache")
+    run = CellRun(
+        study=study,
+        cell=cell,
+        out_dir=Path(args.out),
+        engine_manifest=engine_manifest,
+        model_dir=Path(args.model_dir),
+        gpu_index=args.gpu,
+        cache_dir=Path(args.engine_manifest).resolve().parent / "cache",
+    )
     run_cell(run)
     return 0
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
-    from wmtp.tidy import collect
+    from wmtp.analyze.tidy import collect
 
     manifests = [Path(p) for p in args.manifests]
     collect([m.parent for m in manifests], Path(args.out))
@@ -73,7 +81,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from wmtp.report import main_report
+    from wmtp.report.report import main_report
 
     return main_report(args.rest)
 
@@ -110,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("manifests", nargs="+", help="the manifest.json of each cell")
     p.set_defaults(func=cmd_collect)
 
-    p = sub.add_parser("report", help="render the study report (papermill → HTML); options as wmtp.report",
-                       add_help=False)
+    p = sub.add_parser(
+        "report", help="render the study report (papermill → HTML); options as wmtp.report.report", add_help=False
+    )
     p.set_defaults(func=cmd_report)
     return parser
 
@@ -120,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "report":
-        args.rest = rest  # wmtp.report parses its own options
+        args.rest = rest  # wmtp.report.report parses its own options
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     _setup_logging(args.log)

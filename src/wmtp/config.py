@@ -102,12 +102,14 @@ class ProtocolSpec(_Strict):
 class ReplicaSettings(_Strict):
     """The GPU cost-side replica's sweep (rules/replica.smk); every default lives here."""
 
-    models: list[str] = Field(default_factory=lambda: [
-        "config/models/qwen3.6-35b-a3b.json",
-        "config/models/qwen3.5-122b-a10b.json",
-        "config/models/nemotron-3-super-120b-a12b.json",
-        "config/models/qwen3-next-80b-a3b.json",
-    ])
+    models: list[str] = Field(
+        default_factory=lambda: [
+            "config/models/qwen3.6-35b-a3b.json",
+            "config/models/qwen3.5-122b-a10b.json",
+            "config/models/nemotron-3-super-120b-a12b.json",
+            "config/models/qwen3-next-80b-a3b.json",
+        ]
+    )
     contexts: str = "2k,32k,128k,256k,512k,1m"
     ks: str = "1,3,5"
     # S and W of the windowed draft: the paper-1m study's (SGLang's default window).
@@ -167,8 +169,15 @@ class Cell(_Strict):
 
     @property
     def cell_id(self) -> str:
-        key = CellKey(model=self.model, engine=self.engine, arm=self.arm, k=self.k, sink=self.sink,
-                      window=self.window, concurrency=self.concurrency)
+        key = CellKey(
+            model=self.model,
+            engine=self.engine,
+            arm=self.arm,
+            k=self.k,
+            sink=self.sink,
+            window=self.window,
+            concurrency=self.concurrency,
+        )
         return format_cell_id(key, drafting=self.arm in DRAFTING_ARMS, windowed=self.arm in WINDOWED_ARMS)
 
     @property
@@ -181,8 +190,16 @@ class Cell(_Strict):
             key = parse_cell_id(cell_id)
         except CellIdError as err:
             raise ConfigError(str(err)) from None
-        return cls(study=study, model=key.model, engine=key.engine, arm=key.arm, k=key.k, sink=key.sink,
-                   window=key.window, concurrency=key.concurrency)
+        return cls(
+            study=study,
+            model=key.model,
+            engine=key.engine,
+            arm=key.arm,
+            k=key.k,
+            sink=key.sink,
+            window=key.window,
+            concurrency=key.concurrency,
+        )
 
 
 def expand_cells(study: Study) -> Iterator[Cell]:
@@ -197,9 +214,16 @@ def expand_cells(study: Study) -> Iterator[Cell]:
                     for sink in sinks:
                         for window in windows:
                             for concurrency in study.protocol.concurrency:
-                                yield Cell(study=study.study, model=model.name, engine=engine.name,
-                                           arm=arm.name, k=k, sink=sink, window=window,
-                                           concurrency=concurrency)
+                                yield Cell(
+                                    study=study.study,
+                                    model=model.name,
+                                    engine=engine.name,
+                                    arm=arm.name,
+                                    k=k,
+                                    sink=sink,
+                                    window=window,
+                                    concurrency=concurrency,
+                                )
 
 
 def _path_of(error_path: Any) -> str:
@@ -224,19 +248,24 @@ def _check_models(models: list[Mapping[str, Any]], base_dir: Path) -> None:
     seen: set[str] = set()
     for i, model in enumerate(models):
         if model["name"] in seen:
-            raise ConfigError(f"config: models[{i}].name {model['name']!r} is used by two models; "
-                              "model names must be unique")
+            raise ConfigError(
+                f"config: models[{i}].name {model['name']!r} is used by two models; model names must be unique"
+            )
         seen.add(model["name"])
         has_path, has_gen = model.get("path") is not None, model.get("generate") is not None
         if has_path == has_gen:
-            raise ConfigError(f"config: models[{i}] needs exactly one of 'path' or 'generate' "
-                              f"(got path={model.get('path')!r}, generate={model.get('generate')!r})")
+            raise ConfigError(
+                f"config: models[{i}] needs exactly one of 'path' or 'generate' "
+                f"(got path={model.get('path')!r}, generate={model.get('generate')!r})"
+            )
         if has_path:
             path = Path(model["path"])
             resolved = path if path.is_absolute() else base_dir / path
             if not resolved.is_dir():
-                raise ConfigError(f"config: models[{i}].path {model['path']!r} does not exist "
-                                  f"(looked in {resolved}); download the checkpoint there or fix the path")
+                raise ConfigError(
+                    f"config: models[{i}].path {model['path']!r} does not exist "
+                    f"(looked in {resolved}); download the checkpoint there or fix the path"
+                )
 
 
 def _check_engines(engines: list[Mapping[str, Any]]) -> None:
@@ -246,8 +275,10 @@ def _check_engines(engines: list[Mapping[str, Any]]) -> None:
     for i, engine in enumerate(engines):
         source = engine.get("source", "venv")
         if source == "venv" and not engine.get("packages"):
-            raise ConfigError(f"config: engines[{i}].packages must list the pinned engine package "
-                              f"for source 'venv' (engine {engine['name']!r})")
+            raise ConfigError(
+                f"config: engines[{i}].packages must list the pinned engine package "
+                f"for source 'venv' (engine {engine['name']!r})"
+            )
         constraints = engine.get("constraints")
         if constraints and not (REPO_ROOT / constraints).is_file():
             raise ConfigError(f"config: engines[{i}].constraints {constraints!r} does not exist under {REPO_ROOT}")
@@ -283,8 +314,10 @@ def _check_protocol(protocol: Mapping[str, Any], models: list[Mapping[str, Any]]
     rungs = protocol["rungs"]
     repeats = protocol["repeats"]
     if isinstance(repeats, list) and len(repeats) != len(rungs):
-        raise ConfigError(f"config: protocol.repeats has {len(repeats)} entries but protocol.rungs has "
-                          f"{len(rungs)}; give one per rung or a single number")
+        raise ConfigError(
+            f"config: protocol.repeats has {len(repeats)} entries but protocol.rungs has "
+            f"{len(rungs)}; give one per rung or a single number"
+        )
     for j, rep in enumerate(repeats if isinstance(repeats, list) else [repeats]):
         if rep < 1:
             key = f"protocol.repeats[{j}]" if isinstance(repeats, list) else "protocol.repeats"
@@ -298,13 +331,15 @@ def _check_protocol(protocol: Mapping[str, Any], models: list[Mapping[str, Any]]
             if rung + out_tokens > model["max_model_len"]:
                 raise ConfigError(
                     f"config: protocol.rungs[{j}] = {rung} plus {out_tokens} output tokens does not fit "
-                    f"below models[{i}].max_model_len = {model['max_model_len']} (model {model['name']!r})")
+                    f"below models[{i}].max_model_len = {model['max_model_len']} (model {model['name']!r})"
+                )
     for j, rung in enumerate(rungs):
         if "copy" in workloads and rung < COPY_MIN_TOKENS:
             raise ConfigError(
                 f"config: protocol.rungs[{j}] = {rung} is too short for the copy workload (a {COPY_LEAD_TOKENS}-"
                 f"token lead-in, a {COPY_PASSAGE_TOKENS}-token passage and its cue need ≥ {COPY_MIN_TOKENS} "
-                f"tokens); raise the rung or drop 'copy' from protocol.workloads")
+                f"tokens); raise the rung or drop 'copy' from protocol.workloads"
+            )
 
 
 def _semantic_checks(raw: Mapping[str, Any], base_dir: Path) -> None:
@@ -327,8 +362,7 @@ def study_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".") -> Study
     return Study.model_validate(raw)
 
 
-def load_study(path: Path | str, overrides: Mapping[str, Any] | None = None,
-               base_dir: Path | str = ".") -> Study:
+def load_study(path: Path | str, overrides: Mapping[str, Any] | None = None, base_dir: Path | str = ".") -> Study:
     raw = yaml.safe_load(Path(path).read_text())
     if not isinstance(raw, dict):
         raise ConfigError(f"config: {path} does not hold a mapping")

@@ -44,8 +44,15 @@ TIDY_TABLES = ("requests", "rungs", "positions")
 CELL_ID_PATTERN = r"model~[^/]+/engine~[^/]+/arm~[^/]+(/k~\d+)?(/s~\d+/w~\d+)?/c~\d+"
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 _CELL_ID = re.compile(CELL_ID_PATTERN)
-_ID_KEYS = {"model": "model", "engine": "engine", "arm": "arm", "k": "k", "s": "sink", "w": "window",
-            "c": "concurrency"}
+_ID_KEYS = {
+    "model": "model",
+    "engine": "engine",
+    "arm": "arm",
+    "k": "k",
+    "s": "sink",
+    "w": "window",
+    "c": "concurrency",
+}
 
 
 class CellIdError(ValueError):

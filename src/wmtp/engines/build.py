@@ -31,8 +31,9 @@ class EngineBuildError(RuntimeError):
 
 def spec_hash(spec: EngineSpec) -> str:
     constraints = (REPO_ROOT / spec.constraints).read_text() if spec.constraints else ""
-    payload = json.dumps({"spec": spec.model_dump(mode="json"), "wmtp_src": str(REPO_ROOT),
-                          "constraints": constraints}, sort_keys=True)
+    payload = json.dumps(
+        {"spec": spec.model_dump(mode="json"), "wmtp_src": str(REPO_ROOT), "constraints": constraints}, sort_keys=True
+    )
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -60,18 +61,26 @@ def _find_base_python(version: str) -> str:
             return found
     if sys.version.startswith(version):
         return sys.executable
-    raise EngineBuildError(f"engine needs Python {version}, but no python{version} is on PATH; install it "
-                           "or set engines[].python_version to one that is")
+    raise EngineBuildError(
+        f"engine needs Python {version}, but no python{version} is on PATH; install it "
+        "or set engines[].python_version to one that is"
+    )
 
 
 def probe(python: str, spec: EngineSpec) -> dict:
     """Import the engine inside its environment; check plugin entry point and hook points."""
     env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), **spec.env}
-    proc = subprocess.run([python, "-c", adapter(spec.kind).version_probe], capture_output=True, text=True,
-                          env=env, check=False, timeout=600)
+    proc = subprocess.run(
+        [python, "-c", adapter(spec.kind).version_probe],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        timeout=600,
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("WMTP-PROBE "):
-            return json.loads(line[len("WMTP-PROBE "):])
+            return json.loads(line[len("WMTP-PROBE ") :])
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
     raise EngineBuildError(f"engine self-check failed in {python} (exit {proc.returncode}):\n{tail}")
 
@@ -121,14 +130,16 @@ def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False) -> dic
                 _run([*pip, "install", *spec.pre_packages], log_file, "[3/5] install base packages")
             pins = ["-c", str(REPO_ROOT / spec.constraints)] if spec.constraints else []
             _run([*pip, "install", *pins, *spec.packages], log_file, "[3/5] install the engine (minutes)")
-            present = subprocess.run([*pip, "list", "--format=json"], capture_output=True, text=True,
-                                     check=True).stdout
+            present = subprocess.run([*pip, "list", "--format=json"], capture_output=True, text=True, check=True).stdout
             installed = {p["name"].lower() for p in json.loads(present)}
             doomed = [p for p in spec.remove_packages if p.lower() in installed]
             if doomed:
                 _run([*pip, "uninstall", "-y", *doomed], log_file, "[4/5] remove incompatible packages")
-            _run([*pip, "install", "--no-deps", "-e", str(REPO_ROOT)], log_file,
-                 "[5/5] install wmtp (the plugin) into the engine env")
+            _run(
+                [*pip, "install", "--no-deps", "-e", str(REPO_ROOT)],
+                log_file,
+                "[5/5] install wmtp (the plugin) into the engine env",
+            )
             installed_marker.write_text(want)
         freeze = subprocess.run([python, "-m", "pip", "freeze"], capture_output=True, text=True, check=False)
     log.info("self-check: importing %s and checking the hook points", spec.kind)
@@ -146,6 +157,11 @@ def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False) -> dic
         "build_seconds": round(time.time() - started, 1),
     }
     manifest_path.write_text(json.dumps(manifest, indent=2))
-    log.info("engine %s ready in %.0f s: vllm %s, torch %s", spec.name, manifest["build_seconds"],
-             info.get("vllm"), info.get("torch"))
+    log.info(
+        "engine %s ready in %.0f s: vllm %s, torch %s",
+        spec.name,
+        manifest["build_seconds"],
+        info.get("vllm"),
+        info.get("torch"),
+    )
     return manifest

@@ -64,6 +64,7 @@ def default_runtime(image: str) -> Runtime:
 
 # --- the wmtp plugin inside the image -----------------------------------------------------------------
 
+
 def plugin_site(site_dir: Path, repo: Path = REPO_ROOT) -> Path:
     """Write a minimal ``wmtp-<version>.dist-info`` whose entry points match pyproject.toml.
 
@@ -94,8 +95,10 @@ def _pythonpath(site_dir: Path, repo: Path, env: Mapping[str, str]) -> str:
 
 def _pip_start(argv: Sequence[str]) -> list[str]:
     """Install wmtp into the (bind-mounted, writable) site dir when the container starts, then exec argv."""
-    script = ('"$WMTP_PIP_PYTHON" -m pip install --quiet --no-deps --no-build-isolation --target "$WMTP_SITE" '
-              '"$WMTP_REPO" && exec "$@"')
+    script = (
+        '"$WMTP_PIP_PYTHON" -m pip install --quiet --no-deps --no-build-isolation --target "$WMTP_SITE" '
+        '"$WMTP_REPO" && exec "$@"'
+    )
     return ["sh", "-c", script, "wmtp-start", *argv]
 
 
@@ -107,12 +110,23 @@ def _with_host(argv: Sequence[str], host: str) -> list[str]:
     return out
 
 
-def wrap_argv(argv: Sequence[str], *, runtime: Runtime, image: str, work_dir: Path,
-              model_dir: Path | None = None, repo: Path = REPO_ROOT, env: Mapping[str, str] | None = None,
-              gpus: str | Sequence[int] | None = "all", name: str | None = None,
-              network: Literal["host", "bridge"] = "host", port: int | None = None,
-              install: Literal["pythonpath", "pip"] = "pythonpath", binary: str | None = None,
-              extra_binds: Sequence[Path] = ()) -> list[str]:
+def wrap_argv(
+    argv: Sequence[str],
+    *,
+    runtime: Runtime,
+    image: str,
+    work_dir: Path,
+    model_dir: Path | None = None,
+    repo: Path = REPO_ROOT,
+    env: Mapping[str, str] | None = None,
+    gpus: str | Sequence[int] | None = "all",
+    name: str | None = None,
+    network: Literal["host", "bridge"] = "host",
+    port: int | None = None,
+    install: Literal["pythonpath", "pip"] = "pythonpath",
+    binary: str | None = None,
+    extra_binds: Sequence[Path] = (),
+) -> list[str]:
     """``argv`` (the engine's serve or probe command) run inside ``image``.
 
     ``gpus``: ``"all"``, GPU indices, or ``None`` (no GPU, e.g. the self-check on a login node).
@@ -174,6 +188,7 @@ def stop_argv(runtime: Runtime, name: str, binary: str | None = None) -> list[st
 
 # --- image digest and self-check ----------------------------------------------------------------------
 
+
 def inspect_argv(runtime: Runtime, image: str, binary: str | None = None) -> list[str]:
     exe = binary or runtime_binary(runtime)
     if runtime == "docker":
@@ -187,8 +202,12 @@ def parse_docker_inspect(text: str) -> dict:
     if isinstance(data, list):
         data = data[0]
     digests = data.get("RepoDigests") or []
-    return {"digest": digests[0] if digests else data.get("Id"), "image_id": data.get("Id"),
-            "repo_digests": digests, "created": data.get("Created")}
+    return {
+        "digest": digests[0] if digests else data.get("Id"),
+        "image_id": data.get("Id"),
+        "repo_digests": digests,
+        "created": data.get("Created"),
+    }
 
 
 def parse_apptainer_inspect(text: str) -> dict:
@@ -221,8 +240,9 @@ def image_digest(runtime: Runtime, image: str, binary: str | None = None) -> dic
         out.setdefault("error", f"{exe} is not on PATH")
         return out
     try:
-        proc = subprocess.run(inspect_argv(runtime, image, exe), capture_output=True, text=True, timeout=120,
-                              check=False)
+        proc = subprocess.run(
+            inspect_argv(runtime, image, exe), capture_output=True, text=True, timeout=120, check=False
+        )
     except (OSError, subprocess.SubprocessError) as err:
         out["error"] = f"{exe} inspect failed: {err!r}"
         return out
@@ -242,17 +262,27 @@ def image_digest(runtime: Runtime, image: str, binary: str | None = None) -> dic
 def parse_probe(stdout: str) -> dict | None:
     for line in stdout.splitlines():
         if line.startswith(PROBE_PREFIX):
-            return json.loads(line[len(PROBE_PREFIX):])
+            return json.loads(line[len(PROBE_PREFIX) :])
     return None
 
 
-def probe(probe_source: str, *, runtime: Runtime, image: str, work_dir: Path, env: Mapping[str, str],
-          python: str = "python3", repo: Path = REPO_ROOT, timeout_s: float = 900.0) -> dict:
+def probe(
+    probe_source: str,
+    *,
+    runtime: Runtime,
+    image: str,
+    work_dir: Path,
+    env: Mapping[str, str],
+    python: str = "python3",
+    repo: Path = REPO_ROOT,
+    timeout_s: float = 900.0,
+) -> dict:
     """Run the adapter's VERSION_PROBE inside the image (no GPU needed); raise with the output's tail."""
     work_dir.mkdir(parents=True, exist_ok=True)
     plugin_site(work_dir.resolve() / "wmtp-site", repo)
-    argv = wrap_argv([python, "-c", probe_source], runtime=runtime, image=image, work_dir=work_dir, repo=repo,
-                     env=env, gpus=None)
+    argv = wrap_argv(
+        [python, "-c", probe_source], runtime=runtime, image=image, work_dir=work_dir, repo=repo, env=env, gpus=None
+    )
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
     info = parse_probe(proc.stdout)
     if info is None:
@@ -261,15 +291,25 @@ def probe(probe_source: str, *, runtime: Runtime, image: str, work_dir: Path, en
     return info
 
 
-def serve_command(spec, argv: Sequence[str], *, model_dir: Path, work_dir: Path, port: int,
-                  env: Mapping[str, str]) -> list[str]:
+def serve_command(
+    spec, argv: Sequence[str], *, model_dir: Path, work_dir: Path, port: int, env: Mapping[str, str]
+) -> list[str]:
     """The serve argv of a cell whose engine comes from ``spec.image`` (GPUs: all that the job sees)."""
     runtime: Runtime = spec.container_runtime or default_runtime(spec.image)
     work_dir = work_dir.resolve()
     plugin_site(work_dir / "wmtp-site")
     tmp = [Path(env["TMPDIR"])] if env.get("TMPDIR", "").startswith("/") else []
-    return wrap_argv(argv, runtime=runtime, image=spec.image, work_dir=work_dir, model_dir=Path(model_dir),
-                     env=env, name=f"wmtp-{port}", port=port, extra_binds=tmp)
+    return wrap_argv(
+        argv,
+        runtime=runtime,
+        image=spec.image,
+        work_dir=work_dir,
+        model_dir=Path(model_dir),
+        env=env,
+        name=f"wmtp-{port}",
+        port=port,
+        extra_binds=tmp,
+    )
 
 
 def engine_manifest(spec, engine_dir: Path, spec_hash: str) -> dict:
@@ -279,16 +319,30 @@ def engine_manifest(spec, engine_dir: Path, spec_hash: str) -> dict:
     runtime: Runtime = spec.container_runtime or default_runtime(spec.image)
     exe = runtime_binary(runtime)
     if not shutil.which(exe):
-        raise ContainerError(f"engine {spec.name!r}: the container runtime {exe!r} is not on PATH here; install "
-                             f"it, or build the engine where it is (the image is {spec.image})")
+        raise ContainerError(
+            f"engine {spec.name!r}: the container runtime {exe!r} is not on PATH here; install "
+            f"it, or build the engine where it is (the image is {spec.image})"
+        )
     started = time.time()
     digest = image_digest(runtime, spec.image, exe)
     python = spec.python or "python3"
-    info = probe(adapter(spec.kind).version_probe, runtime=runtime, image=spec.image,
-                 work_dir=engine_dir / "probe", env=spec.env, python=python)
+    info = probe(
+        adapter(spec.kind).version_probe,
+        runtime=runtime,
+        image=spec.image,
+        work_dir=engine_dir / "probe",
+        env=spec.env,
+        python=python,
+    )
     return {
-        "engine": spec.name, "kind": spec.kind, "source": "container", "spec": spec.model_dump(mode="json"),
-        "spec_hash": spec_hash, "python": python, "container": {**digest, "binary": exe},
-        "versions": info, "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "engine": spec.name,
+        "kind": spec.kind,
+        "source": "container",
+        "spec": spec.model_dump(mode="json"),
+        "spec_hash": spec_hash,
+        "python": python,
+        "container": {**digest, "binary": exe},
+        "versions": info,
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "build_seconds": round(time.time() - started, 1),
     }

@@ -54,8 +54,13 @@ DRAFT_BACKEND_FLAG = "--speculative-draft-attention-backend"
 WINDOW_BACKENDS = ("flashinfer", "triton")
 DEFAULT_DRAFT_BACKEND = "flashinfer"
 # Flags the arm owns: a study's serve_args must not set them.
-ARM_FLAGS = ("--speculative-algorithm", "--speculative-num-steps", "--speculative-eagle-topk",
-             "--speculative-num-draft-tokens", *WINDOW_FLAGS)
+ARM_FLAGS = (
+    "--speculative-algorithm",
+    "--speculative-num-steps",
+    "--speculative-eagle-topk",
+    "--speculative-num-draft-tokens",
+    *WINDOW_FLAGS,
+)
 # Asked of every request so that the response carries its spec-decode counts.
 REQUEST_EXTRA = {"return_spec_tokens_details": True}
 
@@ -88,33 +93,48 @@ def draft_backend(extra_args: Sequence[str]) -> str:
     return _flag_value(extra_args, DRAFT_BACKEND_FLAG) or DEFAULT_DRAFT_BACKEND
 
 
-def speculative_args(arm: str, k: int, sink: int | None, window: int | None,
-                     extra_args: Sequence[str] = ()) -> list[str]:
+def speculative_args(
+    arm: str, k: int, sink: int | None, window: int | None, extra_args: Sequence[str] = ()
+) -> list[str]:
     """The speculative flags of an arm (empty for ``none``); ``extra_args`` are the study's serve_args."""
     owned = [flag for flag in ARM_FLAGS if _has_flag(extra_args, flag)]
     if owned:
-        raise SGLangError(f"engine/model serve_args set {', '.join(owned)}, which the arm sets; remove them "
-                          "(the arm, k, sink and window of a cell decide them)")
+        raise SGLangError(
+            f"engine/model serve_args set {', '.join(owned)}, which the arm sets; remove them "
+            "(the arm, k, sink and window of a cell decide them)"
+        )
     if arm == "none":
         return []
     if arm == "wmtp-ring":
-        raise RingNotBuilt("arm 'wmtp-ring' on SGLang is not built yet: upstream SGLang windows the draft's "
-                           "reads (--speculative-draft-window-size) but has no compact ring buffer for the draft "
-                           "KV; run 'wmtp' on SGLang, or 'wmtp-ring' on a vLLM engine (the wmtp plugin)")
+        raise RingNotBuilt(
+            "arm 'wmtp-ring' on SGLang is not built yet: upstream SGLang windows the draft's "
+            "reads (--speculative-draft-window-size) but has no compact ring buffer for the draft "
+            "KV; run 'wmtp' on SGLang, or 'wmtp-ring' on a vLLM engine (the wmtp plugin)"
+        )
     if arm not in ("mtp", "wmtp"):
         raise SGLangError(f"unknown arm {arm!r}")
     if k < 1:
         raise SGLangError(f"arm {arm!r} needs k ≥ 1 (got {k})")
-    args = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(k),
-            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(k + 1)]
+    args = [
+        "--speculative-algorithm",
+        "NEXTN",
+        "--speculative-num-steps",
+        str(k),
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        str(k + 1),
+    ]
     backend = draft_backend(extra_args)
     if not _has_flag(extra_args, DRAFT_BACKEND_FLAG):
         args += [DRAFT_BACKEND_FLAG, backend]
     if arm == "wmtp":
         if backend not in WINDOW_BACKENDS:
-            raise SGLangError(f"arm 'wmtp': draft attention backend {backend!r} ignores the draft window; set "
-                              f"{DRAFT_BACKEND_FLAG} to one of {', '.join(WINDOW_BACKENDS)} in the engine's "
-                              "serve_args (or leave it out for FlashInfer)")
+            raise SGLangError(
+                f"arm 'wmtp': draft attention backend {backend!r} ignores the draft window; set "
+                f"{DRAFT_BACKEND_FLAG} to one of {', '.join(WINDOW_BACKENDS)} in the engine's "
+                "serve_args (or leave it out for FlashInfer)"
+            )
         if window is None or window < 1:
             raise SGLangError(f"arm 'wmtp' needs a window ≥ 1 (got {window})")
         if sink is None or sink < 0:
@@ -127,9 +147,21 @@ def serve_argv(request: ServeRequest) -> list[str]:
     """The server command as a list (never a shell string)."""
     r = request
     extra = list(r.engine_args) + list(r.model_args)
-    argv = [r.python, "-m", "sglang.launch_server",
-            "--model-path", str(r.model_dir), "--served-model-name", r.served_name,
-            "--host", r.host, "--port", str(r.port), "--context-length", str(r.max_model_len)]
+    argv = [
+        r.python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(r.model_dir),
+        "--served-model-name",
+        r.served_name,
+        "--host",
+        r.host,
+        "--port",
+        str(r.port),
+        "--context-length",
+        str(r.max_model_len),
+    ]
     return argv + extra + speculative_args(r.arm, r.k, r.sink, r.window, extra)
 
 
@@ -155,8 +187,10 @@ def check_cell(spec: Any, engine_manifest: Mapping[str, Any], cell: Any, extra_a
     ``extra_args`` are the engine's and the model's serve_args, as ``serve_argv`` gets them.
     """
     if getattr(spec, "device", "cuda") != "cuda":
-        raise SGLangError(f"engine {spec.name!r}: SGLang cannot run on a CPU box (CUDA-only kernels); set "
-                          "device: cuda and run on a GPU machine, or use a vLLM engine")
+        raise SGLangError(
+            f"engine {spec.name!r}: SGLang cannot run on a CPU box (CUDA-only kernels); set "
+            "device: cuda and run on a GPU machine, or use a vLLM engine"
+        )
     if cell.arm == "wmtp-ring":
         speculative_args(cell.arm, cell.k, cell.sink, cell.window)  # raises RingNotBuilt
     if cell.arm == "wmtp":
@@ -165,16 +199,20 @@ def check_cell(spec: Any, engine_manifest: Mapping[str, Any], cell: Any, extra_a
             raise SGLangError(
                 f"engine {spec.name!r}: sglang {versions.get('sglang', '?')} lacks {' and '.join(WINDOW_FLAGS)} "
                 f"(upstream PR #32673, first released in sglang {FIRST_WINDOWED_VERSION}); pin "
-                f"sglang>={FIRST_WINDOWED_VERSION} for arm 'wmtp'")
+                f"sglang>={FIRST_WINDOWED_VERSION} for arm 'wmtp'"
+            )
         backend = draft_backend(extra_args)
         honouring = versions.get("window_backends")
         if honouring is not None and backend not in honouring:
-            raise SGLangError(f"engine {spec.name!r}: in sglang {versions.get('sglang', '?')} the {backend!r} draft "
-                              f"backend does not apply the draft window (only {honouring or 'none'} do); set "
-                              f"{DRAFT_BACKEND_FLAG} accordingly in the engine's serve_args")
+            raise SGLangError(
+                f"engine {spec.name!r}: in sglang {versions.get('sglang', '?')} the {backend!r} draft "
+                f"backend does not apply the draft window (only {honouring or 'none'} do); set "
+                f"{DRAFT_BACKEND_FLAG} accordingly in the engine's serve_args"
+            )
 
 
 # --- per-request spec-decode counts ------------------------------------------------------------------
+
 
 def spec_details(extensions: Mapping[str, Any]) -> dict[str, Any]:
     """The spec-decode statistics of one response, from ``sglext.spec_tokens_details`` (OpenAI-compatible
@@ -195,9 +233,11 @@ def request_fields(extensions: Mapping[str, Any]) -> dict[str, Any]:
     histogram = details.get("spec_correct_drafts_histogram")
     if histogram is None:
         histogram = details.get("spec_accept_histogram")  # older name
-    return {"spec_verify_ct": int(verify) if verify else None,
-            "spec_correct_drafts": int(correct) if correct is not None and verify else None,
-            "spec_accept_histogram": [int(x) for x in histogram] if histogram else None}
+    return {
+        "spec_verify_ct": int(verify) if verify else None,
+        "spec_correct_drafts": int(correct) if correct is not None and verify else None,
+        "spec_accept_histogram": [int(x) for x in histogram] if histogram else None,
+    }
 
 
 def counters_from_requests(rows: Sequence[Mapping[str, Any]], arm: str, k: int) -> dict[str, float]:
@@ -211,7 +251,8 @@ def counters_from_requests(rows: Sequence[Mapping[str, Any]], arm: str, k: int) 
         raise SGLangError(
             f"rung {first.get('rung')}: {len(missing)} of {len(rows)} responses carry no spec_verify_ct, so "
             f"tokPerVerify cannot be computed; the server must answer return_spec_tokens_details "
-            f"(sglang>={FIRST_WINDOWED_VERSION}) and run a draft (arm {arm!r})")
+            f"(sglang>={FIRST_WINDOWED_VERSION}) and run a draft (arm {arm!r})"
+        )
     verify = float(sum(r["spec_verify_ct"] for r in rows))
     completion = float(sum(r["completion_tokens"] for r in rows))
     out.update(drafts=verify, draft_tokens=k * verify, accepted=completion - verify)
@@ -220,7 +261,7 @@ def counters_from_requests(rows: Sequence[Mapping[str, Any]], arm: str, k: int) 
     histograms = [r.get("spec_accept_histogram") for r in rows]
     if all(h is not None and len(h) > 0 for h in histograms):
         for p in range(k):
-            out[f"accepted_pos_{p}"] = float(sum(sum(h[p + 1:]) for h in histograms))
+            out[f"accepted_pos_{p}"] = float(sum(sum(h[p + 1 :]) for h in histograms))
     return out
 
 

@@ -42,9 +42,21 @@ def serve_argv(request: ServeRequest) -> list[str]:
     ``vllm`` console script looks for a distribution named ``vllm``.
     """
     r = request
-    argv = [r.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(r.model_dir), "--served-model-name", r.served_name,
-            "--host", r.host, "--port", str(r.port), "--max-model-len", str(r.max_model_len)]
+    argv = [
+        r.python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(r.model_dir),
+        "--served-model-name",
+        r.served_name,
+        "--host",
+        r.host,
+        "--port",
+        str(r.port),
+        "--max-model-len",
+        str(r.max_model_len),
+    ]
     argv += list(r.engine_args) + list(r.model_args)
     spec = speculative_config(r.arm, r.k)
     if spec is not None:

@@ -32,8 +32,7 @@ def _vllm_root() -> Path:
 def _module_tree(root: Path, module: str, version: str) -> tuple[Path, ast.Module]:
     path = root.joinpath(*module.split(".")[1:]).with_suffix(".py")
     if not path.exists():
-        raise HookPointError(f"vLLM {version} has no module {module} (looked for {path}); the wmtp plugin "
-                             "patches it")
+        raise HookPointError(f"vLLM {version} has no module {module} (looked for {path}); the wmtp plugin patches it")
     return path, ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
 
 
@@ -48,28 +47,32 @@ def _method(cls: ast.ClassDef, name: str, module: str, version: str) -> ast.Func
     for node in cls.body:
         if isinstance(node, ast.FunctionDef) and node.name == name:
             return node
-    raise HookPointError(f"vLLM {version}: {module}.{cls.name} has no method {name}; the wmtp plugin "
-                         "patches it")
+    raise HookPointError(f"vLLM {version}: {module}.{cls.name} has no method {name}; the wmtp plugin patches it")
 
 
 def _calls_to(func: ast.FunctionDef, attr: str) -> int:
-    return sum(1 for node in ast.walk(func)
-               if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-               and node.func.attr == attr)
+    return sum(
+        1
+        for node in ast.walk(func)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attr
+    )
 
 
 def _check_params(params: list[str], version: str) -> None:
     where = f"{hp.PROPOSER_MODULE}.{hp.PROPOSER_CLASS}.{hp.BUILD_METHOD}"
     if tuple(params[: len(hp.BUILD_PARAMS)]) != hp.BUILD_PARAMS:
-        raise HookPointError(f"vLLM {version}: {where} takes {params}, the wmtp plugin expects "
-                             f"{list(hp.BUILD_PARAMS)} first")
+        raise HookPointError(
+            f"vLLM {version}: {where} takes {params}, the wmtp plugin expects {list(hp.BUILD_PARAMS)} first"
+        )
 
 
 def _check_fields(fields: set[str], version: str) -> None:
     missing = [name for name in hp.METADATA_FIELDS if name not in fields]
     if missing:
-        raise HookPointError(f"vLLM {version}: {hp.METADATA_MODULE}.{hp.METADATA_CLASS} has no field "
-                             f"{missing[0]} (missing: {missing}); the wmtp plugin replaces it")
+        raise HookPointError(
+            f"vLLM {version}: {hp.METADATA_MODULE}.{hp.METADATA_CLASS} has no field "
+            f"{missing[0]} (missing: {missing}); the wmtp plugin replaces it"
+        )
 
 
 def _plugin_entry_points() -> list[str]:
@@ -88,13 +91,18 @@ def check_hook_points(deep: bool = False) -> dict:
     propose = _method(proposer, hp.PROPOSE_METHOD, hp.PROPOSER_MODULE, version)
     calls = _calls_to(propose, hp.BUILD_METHOD)
     if calls < 2:
-        raise HookPointError(f"vLLM {version}: {hp.PROPOSER_CLASS}.{hp.PROPOSE_METHOD} calls "
-                             f"{hp.BUILD_METHOD} {calls} time(s), the wmtp plugin expects the first pass "
-                             "and the draft-step loop to build through it")
+        raise HookPointError(
+            f"vLLM {version}: {hp.PROPOSER_CLASS}.{hp.PROPOSE_METHOD} calls "
+            f"{hp.BUILD_METHOD} {calls} time(s), the wmtp plugin expects the first pass "
+            "and the draft-step loop to build through it"
+        )
     metadata_path, metadata_tree = _module_tree(root, hp.METADATA_MODULE, version)
     metadata = _class(metadata_tree, hp.METADATA_CLASS, hp.METADATA_MODULE, version)
-    fields = {node.target.id for node in metadata.body
-              if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    fields = {
+        node.target.id
+        for node in metadata.body
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    }
     _check_fields(fields, version)
 
     # Proposers that override the method bypass the wrapper; the plugin refuses them when configured.
@@ -102,8 +110,11 @@ def check_hook_points(deep: bool = False) -> dict:
     for path in sorted(proposer_path.parent.glob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         for node in ast.walk(tree):
-            if (isinstance(node, ast.ClassDef) and node.name != hp.PROPOSER_CLASS
-                    and any(isinstance(f, ast.FunctionDef) and f.name == hp.BUILD_METHOD for f in node.body)):
+            if (
+                isinstance(node, ast.ClassDef)
+                and node.name != hp.PROPOSER_CLASS
+                and any(isinstance(f, ast.FunctionDef) and f.name == hp.BUILD_METHOD for f in node.body)
+            ):
                 overriding.append(f"{path.stem}.{node.name}")
 
     found = {

@@ -81,20 +81,23 @@ class _State:
 
 
 def _refuse(what: str) -> HookPointError:
-    return HookPointError(f"wmtp plugin: vLLM {hp.vllm_version()} {what}; Windowed-MTP cannot hook this "
-                          "vLLM (run wmtp.engines.vllm_hooks.check_hook_points() for details)")
+    return HookPointError(
+        f"wmtp plugin: vLLM {hp.vllm_version()} {what}; Windowed-MTP cannot hook this "
+        "vLLM (run wmtp.engines.vllm_hooks.check_hook_points() for details)"
+    )
 
 
 def _check_instance(proposer: Any) -> None:
     vllm_config = proposer.vllm_config
     method = getattr(type(proposer), hp.BUILD_METHOD, None)
     if getattr(method, _ORIGINAL, None) is None:
-        raise _refuse(f"uses {type(proposer).__qualname__}, which overrides {hp.BUILD_METHOD}; the wmtp "
-                      f"wrapper sits on {hp.PROPOSER_CLASS}.{hp.BUILD_METHOD}")
+        raise _refuse(
+            f"uses {type(proposer).__qualname__}, which overrides {hp.BUILD_METHOD}; the wmtp "
+            f"wrapper sits on {hp.PROPOSER_CLASS}.{hp.BUILD_METHOD}"
+        )
     dcp = getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1)
     if dcp and dcp > 1:
-        raise _refuse(f"runs decode context parallelism ({dcp}); wmtp supports "
-                      "decode_context_parallel_size = 1 only")
+        raise _refuse(f"runs decode context parallelism ({dcp}); wmtp supports decode_context_parallel_size = 1 only")
 
 
 def _wrap_init(original, problem: str | None):
@@ -124,9 +127,14 @@ def _wrap_build(original):
             block_size = getattr(self, hp.BLOCK_SIZE_ATTR)
             if not state.logged:
                 state.logged = True
-                log.info("wmtp: windowed MTP draft active: sink S=%d, window W=%d, KV block size %d "
-                         "(sink %d block(s); window at least W tokens, block-aligned)", config.sink,
-                         config.window, block_size, win.sink_blocks(config.sink, block_size))
+                log.info(
+                    "wmtp: windowed MTP draft active: sink S=%d, window W=%d, KV block size %d "
+                    "(sink %d block(s); window at least W tokens, block-aligned)",
+                    config.sink,
+                    config.window,
+                    block_size,
+                    win.sink_blocks(config.sink, block_size),
+                )
             windowed = window_metadata(common_attn_metadata, config, block_size)
             testing.observe(self, common_attn_metadata, windowed, config, block_size)
             common_attn_metadata = windowed
@@ -165,15 +173,20 @@ def patch(module: ModuleType) -> None:
     """
     cls = getattr(module, hp.PROPOSER_CLASS, None)
     if cls is None:
-        log.error("wmtp plugin: vLLM %s has no %s.%s; wmtp cannot run on it", hp.vllm_version(),
-                  hp.PROPOSER_MODULE, hp.PROPOSER_CLASS)
+        log.error(
+            "wmtp plugin: vLLM %s has no %s.%s; wmtp cannot run on it",
+            hp.vllm_version(),
+            hp.PROPOSER_MODULE,
+            hp.PROPOSER_CLASS,
+        )
         return
     if getattr(cls.__init__, _ORIGINAL, None) is not None:
         return
     problem = _problem(module)
     if problem is not None:
-        log.warning("wmtp plugin: vLLM %s %s; servers configured for wmtp will refuse to start",
-                    hp.vllm_version(), problem)
+        log.warning(
+            "wmtp plugin: vLLM %s %s; servers configured for wmtp will refuse to start", hp.vllm_version(), problem
+        )
     else:
         setattr(cls, hp.BUILD_METHOD, _wrap_build(cls.__dict__[hp.BUILD_METHOD]))
     cls.__init__ = _wrap_init(cls.__init__, problem)

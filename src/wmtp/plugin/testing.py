@@ -90,22 +90,31 @@ def observe(proposer: Any, full: Any, windowed: Any, config: win.WindowConfig, b
     def rows(table, lens):
         return [table[r, : -(-length // block_size)].tolist() for r, length in enumerate(lens)]
 
-    _record({
-        "kind": "build", "sink": config.sink, "window": config.window, "block_size": block_size,
-        "seq_lens": seq_lens, "query_lens": query_lens, "max_query_len": full.max_query_len,
-        "windowed_seq_lens": windowed_lens, "windowed_max_seq_len": windowed.max_seq_len,
-        "table_width": int(windowed.block_table_tensor.shape[1]),
-        "full_width": int(full.block_table_tensor.shape[1]),
-        "full_blocks": rows(full.block_table_tensor, seq_lens),
-        "windowed_blocks": rows(windowed.block_table_tensor, windowed_lens),
-    })
+    _record(
+        {
+            "kind": "build",
+            "sink": config.sink,
+            "window": config.window,
+            "block_size": block_size,
+            "seq_lens": seq_lens,
+            "query_lens": query_lens,
+            "max_query_len": full.max_query_len,
+            "windowed_seq_lens": windowed_lens,
+            "windowed_max_seq_len": windowed.max_seq_len,
+            "table_width": int(windowed.block_table_tensor.shape[1]),
+            "full_width": int(full.block_table_tensor.shape[1]),
+            "full_blocks": rows(full.block_table_tensor, seq_lens),
+            "windowed_blocks": rows(windowed.block_table_tensor, windowed_lens),
+        }
+    )
     poison = _read_control().get("poison")
     if poison:
         _poison(proposer, full, seq_lens, query_lens, int(poison["sink"]), int(poison["window"]), block_size)
 
 
-def _poison(proposer: Any, full: Any, seq_lens: list[int], query_lens: list[int], sink: int, window: int,
-            block_size: int) -> None:
+def _poison(
+    proposer: Any, full: Any, seq_lens: list[int], query_lens: list[int], sink: int, window: int, block_size: int
+) -> None:
     """Overwrite the draft layer's KV outside sink ∪ window of (sink, window) with large random values."""
     import torch
 

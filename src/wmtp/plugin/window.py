@@ -42,8 +42,7 @@ def parse_config(additional_config: Mapping[str, Any] | None) -> WindowConfig | 
     raw = additional_config[CONFIG_KEY]
     where = f"--additional-config {CONFIG_KEY}"
     if not isinstance(raw, Mapping):
-        raise WindowConfigError(f"{where} must be an object like {{\"sink\": 16, \"window\": 128}} "
-                                f"(got {raw!r})")
+        raise WindowConfigError(f'{where} must be an object like {{"sink": 16, "window": 128}} (got {raw!r})')
     unknown = sorted(set(raw) - {"sink", "window", "ring"})
     if unknown:
         raise WindowConfigError(f"{where} has unknown keys {unknown}; allowed: sink, window, ring")
@@ -57,8 +56,10 @@ def parse_config(additional_config: Mapping[str, Any] | None) -> WindowConfig | 
     if not isinstance(ring, bool):
         raise WindowConfigError(f"{where}.ring must be true or false (got {ring!r})")
     if ring:
-        raise WindowConfigError(f"{where}.ring = true (arm wmtp-ring, the draft's own S+W ring buffer) is "
-                                "phase 2 and not implemented; use ring = false")
+        raise WindowConfigError(
+            f"{where}.ring = true (arm wmtp-ring, the draft's own S+W ring buffer) is "
+            "phase 2 and not implemented; use ring = false"
+        )
     return WindowConfig(sink=values["sink"], window=values["window"], ring=ring)
 
 

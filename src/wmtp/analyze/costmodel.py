@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from wmtp.analysis import cost_side_ratio
+from wmtp.analyze.analysis import cost_side_ratio
 
 Arm = Literal["none", "mtp", "wmtp"]
 StateWrites = Literal["per_token", "final"]

@@ -2,7 +2,7 @@
 saves figures, and renders ``notebooks/report.ipynb`` into one self-contained HTML page.
 
 The notebook only plots and formats; every number it shows comes from here or from
-:mod:`wmtp.analysis`. Each ``*_section`` function returns a :class:`Section`: a frame (possibly
+:mod:`wmtp.analyze.analysis`. Each ``*_section`` function returns a :class:`Section`: a frame (possibly
 empty) and, when something is missing, a note that says so in words ("not measured: no NVML on this
 machine"), so the notebook never plots zeros or NaN.
 
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from wmtp import analysis as an
+from wmtp.analyze import analysis as an
 from wmtp.layout import REPO_ROOT, TIDY_TABLES
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ NOTE_NO_REPLICA = "no GPU replica data (results/replica/tidy/replica.parquet not
 NOTE_NO_DRAFT = "no drafting arm in this study"
 NOTE_NO_BASE = "no arm 'none' in this study: speedups need the no-draft baseline"
 NOTE_ONE_RUNG = "only one context length in this study: nothing to compare across context"
-NOTE_COSTMODEL_MISSING = "cost model: not yet available (wmtp.costmodel.predict cannot be imported)"
+NOTE_COSTMODEL_MISSING = "cost model: not yet available (wmtp.analyze.costmodel.predict cannot be imported)"
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def normalise_replica(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (model, context, k, sink, window[, backend]) with ``ratio`` and ``predicted_ratio``.
 
     Accepts the summary shape (step_nat_ms, step_win_ms, ratio, predicted_ratio) and the long
-    per-arm shape of ``wmtp.replica.tidy`` (arm, measured_ms, measured_ratio, predicted_ratio).
+    per-arm shape of ``wmtp.replica.replica.tidy`` (arm, measured_ms, measured_ratio, predicted_ratio).
     """
     if frame.empty:
         return frame
@@ -265,8 +265,9 @@ def add_labels(frame: pd.DataFrame, reference: pd.DataFrame | None = None) -> pd
     if frame.empty:
         return frame
     ref = frame if reference is None else reference
-    varies = {c: c in ref.columns and ref[c].nunique(dropna=False) > 1
-              for c in ("model", "engine", "concurrency", "workload")}
+    varies = {
+        c: c in ref.columns and ref[c].nunique(dropna=False) > 1 for c in ("model", "engine", "concurrency", "workload")
+    }
     out = frame.copy()
     records = out.to_dict("records")
     out["label"] = [
@@ -572,16 +573,19 @@ def acceptance_display(section: Section) -> pd.DataFrame:
     varies = {c: c in f.columns and f[c].nunique(dropna=False) > 1 for c in ("model", "engine", "concurrency")}
     rows: dict[tuple[str, str], dict[str, str]] = {}
     for r in f.to_dict("records"):
-        label = series_label(r, with_model=varies["model"], with_engine=varies["engine"],
-                             with_concurrency=varies["concurrency"])  # the workload has its own column
+        label = series_label(
+            r, with_model=varies["model"], with_engine=varies["engine"], with_concurrency=varies["concurrency"]
+        )  # the workload has its own column
         key = (_facet_value("workload", r["workload"]) if by_workload else "", label)
         rows.setdefault(key, {})[context_label(r["rung"])] = (
             f"{_fmt(100 * r['acceptance_rate'], 3)} % ({_fmt(r['tok_per_verify'], 3)})"
         )
     contexts = [context_label(x) for x in sorted(f["rung"].unique())]
     out = pd.DataFrame(
-        [{"workload": w, "series": label, **{c: cells.get(c, "") for c in contexts}}
-         for (w, label), cells in rows.items()]
+        [
+            {"workload": w, "series": label, **{c: cells.get(c, "") for c in contexts}}
+            for (w, label), cells in rows.items()
+        ]
     )
     return out.sort_values(["workload"], kind="stable").drop(columns=[] if by_workload else ["workload"])
 
@@ -703,8 +707,10 @@ def wedge_section(
             ]
             several_workloads = "workload" in measured.columns and measured["workload"].nunique() > 1
             measured["panel"] = [
-                " · ".join([str(r["model"]), "this study"]
-                           + ([_facet_value("workload", r["workload"])] if several_workloads else []))
+                " · ".join(
+                    [str(r["model"]), "this study"]
+                    + ([_facet_value("workload", r["workload"])] if several_workloads else [])
+                )
                 for r in measured.to_dict("records")
             ]
             parts.append(measured.assign(source="measured"))
@@ -1177,7 +1183,7 @@ def model_file(model: str, models_dir: Path | str | None = None) -> Path | None:
 
 
 def costmodel_section(tidy: Tidy, models_dir: Path | str | None = None) -> Section:
-    """Measured vs ``wmtp.costmodel.predict`` on the quantities that do not depend on bandwidth.
+    """Measured vs ``wmtp.analyze.costmodel.predict`` on the quantities that do not depend on bandwidth.
 
     Rows (``quantity``): ``draft_share_pct`` (per draft step growth / target growth between the smallest
     and each larger rung, predicted from the none and native step costs) for every drafting series,
@@ -1185,7 +1191,7 @@ def costmodel_section(tidy: Tidy, models_dir: Path | str | None = None) -> Secti
     series keys, label, quantity, rung_from, rung, context, measured, predicted, difference.
     """
     try:
-        from wmtp.costmodel import predict
+        from wmtp.analyze.costmodel import predict
     except ImportError:
         return Section(notes=(NOTE_COSTMODEL_MISSING,))
     if not tidy.has_drafting or an.BASE_ARM not in tidy.arms:

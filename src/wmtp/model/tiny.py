@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from wmtp.workload import corpus_files
+from wmtp.measure.workload import corpus_files
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +49,15 @@ class TinyShape:
     def resolved_layer_types(self) -> list[str]:
         if self.layer_types:
             return list(self.layer_types)
-        return ["full_attention" if (i + 1) % self.full_attention_every == 0 else "linear_attention"
-                for i in range(self.num_hidden_layers)]
+        return [
+            "full_attention" if (i + 1) % self.full_attention_every == 0 else "linear_attention"
+            for i in range(self.num_hidden_layers)
+        ]
 
 
-def train_tokenizer(vocab_size: int, out_dir: Path, max_chars: int = 4_000_000,
-                    files: Iterable[Path] | None = None) -> None:
+def train_tokenizer(
+    vocab_size: int, out_dir: Path, max_chars: int = 4_000_000, files: Iterable[Path] | None = None
+) -> None:
     """Byte-level BPE on standard-library source: every text encodes, nothing is unknown.
 
     ``files`` (default: the whole corpus) lets a trained model keep its held-out files out.
@@ -72,19 +75,28 @@ def train_tokenizer(vocab_size: int, out_dir: Path, max_chars: int = 4_000_000,
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS_TOKEN,
-        "bos_token": None,
-        "pad_token": EOS_TOKEN,
-        "add_bos_token": False,
-        "model_max_length": 1_000_000,
-        "clean_up_tokenization_spaces": False,
-    }, indent=2))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS_TOKEN,
+                "bos_token": None,
+                "pad_token": EOS_TOKEN,
+                "add_bos_token": False,
+                "model_max_length": 1_000_000,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+    )
 
 
 def _split_fused_experts(state: dict, num_experts: int) -> dict:
@@ -111,16 +123,26 @@ def qwen3_next_config(shape: TinyShape, layer_types: list[str]):
     from transformers import Qwen3NextConfig
 
     return Qwen3NextConfig(
-        num_hidden_layers=len(layer_types), layer_types=layer_types,
-        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=4 * shape.hidden_size,
-        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim, linear_key_head_dim=shape.linear_key_head_dim,
-        linear_value_head_dim=shape.linear_value_head_dim, linear_num_key_heads=shape.linear_num_key_heads,
-        linear_num_value_heads=shape.linear_num_value_heads, num_experts=shape.num_experts,
-        num_experts_per_tok=shape.num_experts_per_tok, moe_intermediate_size=shape.moe_intermediate_size,
+        num_hidden_layers=len(layer_types),
+        layer_types=layer_types,
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=4 * shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        linear_key_head_dim=shape.linear_key_head_dim,
+        linear_value_head_dim=shape.linear_value_head_dim,
+        linear_num_key_heads=shape.linear_num_key_heads,
+        linear_num_value_heads=shape.linear_num_value_heads,
+        num_experts=shape.num_experts,
+        num_experts_per_tok=shape.num_experts_per_tok,
+        moe_intermediate_size=shape.moe_intermediate_size,
         shared_expert_intermediate_size=shape.shared_expert_intermediate_size,
-        max_position_embeddings=shape.max_position_embeddings, tie_word_embeddings=False,
-        eos_token_id=0, pad_token_id=0,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=False,
+        eos_token_id=0,
+        pad_token_id=0,
     )
 
 
@@ -139,24 +161,31 @@ def write_checkpoint(out_dir: Path, state: dict, config, num_experts: int, manif
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
     cfg = config.to_dict()
-    cfg.update(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", torch_dtype="bfloat16",
-               dtype="bfloat16", num_nextn_predict_layers=1)
+    cfg.update(
+        architectures=["Qwen3NextForCausalLM"],
+        model_type="qwen3_next",
+        torch_dtype="bfloat16",
+        dtype="bfloat16",
+        num_nextn_predict_layers=1,
+    )
     for key in ("_name_or_path", "transformers_version", "id2label", "label2id"):
         cfg.pop(key, None)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     manifest = {
         **manifest,
         "torch": torch.__version__,
-        "files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-                  for p in sorted(out_dir.iterdir()) if p.name != "wmtp-model.json"},
+        "files": {
+            p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out_dir.iterdir())
+            if p.name != "wmtp-model.json"
+        },
     }
     (out_dir / "wmtp-model.json").write_text(json.dumps(manifest, indent=2))
     log.info("wrote %s (%d tensors)", out_dir, len(state))
     return manifest
 
 
-def build_tiny(out_dir: Path, seed: int = 0, shape: TinyShape | None = None,
-               zero_lm_head: bool = False) -> dict:
+def build_tiny(out_dir: Path, seed: int = 0, shape: TinyShape | None = None, zero_lm_head: bool = False) -> dict:
     """Write config.json, model.safetensors and the tokenizer; returns the build's manifest."""
     import torch
     from transformers import Qwen3NextForCausalLM
@@ -179,7 +208,7 @@ def build_tiny(out_dir: Path, seed: int = 0, shape: TinyShape | None = None,
     prefix = "model.layers.0."
     for name, tensor in mtp_model.state_dict().items():
         if name.startswith(prefix):
-            state["mtp.layers.0." + name[len(prefix):]] = tensor.detach().to(torch.bfloat16)
+            state["mtp.layers.0." + name[len(prefix) :]] = tensor.detach().to(torch.bfloat16)
     generator = torch.Generator().manual_seed(seed + 2)
     hidden = shape.hidden_size
     state["mtp.fc.weight"] = (torch.randn(hidden, 2 * hidden, generator=generator) * 0.02).to(torch.bfloat16)
@@ -189,18 +218,23 @@ def build_tiny(out_dir: Path, seed: int = 0, shape: TinyShape | None = None,
     if zero_lm_head:
         # Every logit ties at 0, so target and draft both pick token 0: 100 % acceptance.
         state["lm_head.weight"] = torch.zeros_like(state["lm_head.weight"])
-    return write_checkpoint(out_dir, state, config, shape.num_experts,
-                            {"seed": seed, "shape": asdict(shape), "zero_lm_head": zero_lm_head})
+    return write_checkpoint(
+        out_dir, state, config, shape.num_experts, {"seed": seed, "shape": asdict(shape), "zero_lm_head": zero_lm_head}
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m wmtp.tiny", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m wmtp.model.tiny", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--zero-lm-head", action="store_true",
-                        help="all-zero lm_head: target and draft always agree (100 %% acceptance)")
-    parser.add_argument("--shape", type=json.loads, default={},
-                        help='JSON overrides of TinyShape, e.g. \'{"hidden_size": 512}\'')
+    parser.add_argument(
+        "--zero-lm-head",
+        action="store_true",
+        help="all-zero lm_head: target and draft always agree (100 %% acceptance)",
+    )
+    parser.add_argument(
+        "--shape", type=json.loads, default={}, help="JSON overrides of TinyShape, e.g. '{\"hidden_size\": 512}'"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     build_tiny(args.out, seed=args.seed, shape=TinyShape(**args.shape), zero_lm_head=args.zero_lm_head)

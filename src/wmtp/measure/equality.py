@@ -32,8 +32,9 @@ def first_divergence(reference: Sequence[int], other: Sequence[int]) -> int | No
     return None
 
 
-def equal_up_to_numerics(reference: Sequence[int], reference_gaps: Sequence[float], other: Sequence[int],
-                         eps: float = DEFAULT_EPS) -> Verdict:
+def equal_up_to_numerics(
+    reference: Sequence[int], reference_gaps: Sequence[float], other: Sequence[int], eps: float = DEFAULT_EPS
+) -> Verdict:
     i = first_divergence(reference, other)
     if i is None:
         return Verdict(True, True, None, None, "token-identical")
@@ -41,8 +42,14 @@ def equal_up_to_numerics(reference: Sequence[int], reference_gaps: Sequence[floa
         return Verdict(False, False, i, None, f"lengths differ ({len(reference)} vs {len(other)})")
     gap = float(reference_gaps[i])
     if gap < eps:
-        return Verdict(True, False, i, gap,
-                       f"first divergence at token {i} is a near-tie of the reference (gap {gap:.4f} < {eps})")
-    return Verdict(False, False, i, gap,
-                   f"divergence at token {i} where the reference was confident (gap {gap:.4f} ≥ {eps}): "
-                   f"reference {reference[i]} vs {other[i]}")
+        return Verdict(
+            True, False, i, gap, f"first divergence at token {i} is a near-tie of the reference (gap {gap:.4f} < {eps})"
+        )
+    return Verdict(
+        False,
+        False,
+        i,
+        gap,
+        f"divergence at token {i} where the reference was confident (gap {gap:.4f} ≥ {eps}): "
+        f"reference {reference[i]} vs {other[i]}",
+    )

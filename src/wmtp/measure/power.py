@@ -90,9 +90,7 @@ def integrate_power_j(
     """
     if len(t_s) != len(power_w):
         raise ValueError(f"power: t_s and power_w differ in length ({len(t_s)} vs {len(power_w)})")
-    pts = sorted(
-        (float(t), float(p)) for t, p in zip(t_s, power_w, strict=True) if p is not None and not math.isnan(p)
-    )
+    pts = sorted((float(t), float(p)) for t, p in zip(t_s, power_w, strict=True) if p is not None and not math.isnan(p))
     if len(pts) < 2:
         return None
     lo = pts[0][0] if start_s is None else max(start_s, pts[0][0])
@@ -251,12 +249,8 @@ class PowerMeter:
             log.debug("power: nvmlSystemGetDriverVersion failed: %s", err)
         limit_mw = self._try("nvmlDeviceGetEnforcedPowerLimit")
         out["power_limit_w"] = None if limit_mw is None else limit_mw / 1000.0
-        out["sm_clock_mhz"] = self._try(
-            "nvmlDeviceGetClockInfo", self._const("NVML_CLOCK_SM", _NVML_CLOCK_SM)
-        )
-        out["mem_clock_mhz"] = self._try(
-            "nvmlDeviceGetClockInfo", self._const("NVML_CLOCK_MEM", _NVML_CLOCK_MEM)
-        )
+        out["sm_clock_mhz"] = self._try("nvmlDeviceGetClockInfo", self._const("NVML_CLOCK_SM", _NVML_CLOCK_SM))
+        out["mem_clock_mhz"] = self._try("nvmlDeviceGetClockInfo", self._const("NVML_CLOCK_MEM", _NVML_CLOCK_MEM))
         out["temperature_c"] = self._try(
             "nvmlDeviceGetTemperature", self._const("NVML_TEMPERATURE_GPU", _NVML_TEMPERATURE_GPU)
         )
@@ -271,9 +265,7 @@ class PowerMeter:
         try:
             return int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)), None
         except Exception as err:
-            if getattr(err, "value", None) == self._const(
-                "NVML_ERROR_NOT_SUPPORTED", _NVML_ERROR_NOT_SUPPORTED
-            ):
+            if getattr(err, "value", None) == self._const("NVML_ERROR_NOT_SUPPORTED", _NVML_ERROR_NOT_SUPPORTED):
                 return None, "energy counter not supported on this GPU (NVML NOT_SUPPORTED)"
             return None, f"energy counter unreadable: {err}"
 
@@ -310,9 +302,7 @@ class PowerMeter:
         if valid and self.status == RELATIVE_ONLY:
             flag = "relative-only: comparable between arms on this GPU, not absolute"
         elif valid and duration < SHORT_WINDOW_S:
-            flag = (
-                f"short window ({duration:.2f} s < {SHORT_WINDOW_S:.0f} s): up to ~10 % counter quantisation"
-            )
+            flag = f"short window ({duration:.2f} s < {SHORT_WINDOW_S:.0f} s): up to ~10 % counter quantisation"
         return EnergyWindow(
             name=name,
             start_s=opened.start_s,
@@ -365,9 +355,7 @@ class PowerMeter:
             "power_w": power_w,
             "power_source": source,
             "sm_clock_mhz": self._try("nvmlDeviceGetClockInfo", self._const("NVML_CLOCK_SM", _NVML_CLOCK_SM)),
-            "mem_clock_mhz": self._try(
-                "nvmlDeviceGetClockInfo", self._const("NVML_CLOCK_MEM", _NVML_CLOCK_MEM)
-            ),
+            "mem_clock_mhz": self._try("nvmlDeviceGetClockInfo", self._const("NVML_CLOCK_MEM", _NVML_CLOCK_MEM)),
             "temperature_c": self._try(
                 "nvmlDeviceGetTemperature", self._const("NVML_TEMPERATURE_GPU", _NVML_TEMPERATURE_GPU)
             ),
@@ -508,9 +496,7 @@ def open_meter(gpu_index: int | None = None, *, nvml: ModuleType | Any | None = 
             return _unavailable("not measured: NVIDIA driver not loaded", gpu_index)
         return _unavailable(f"not measured: NVML init failed: {err}", gpu_index)
 
-    selector: int | str = (
-        gpu_index if gpu_index is not None else gpu_selector(os.environ.get("CUDA_VISIBLE_DEVICES"))
-    )
+    selector: int | str = gpu_index if gpu_index is not None else gpu_selector(os.environ.get("CUDA_VISIBLE_DEVICES"))
     try:
         if isinstance(selector, str):
             handle = nvml.nvmlDeviceGetHandleByUUID(selector.encode())

@@ -3,7 +3,7 @@
 Two stages, deterministic from a seed, torch on CPU with a fixed number of threads:
 
 1. The target: a Qwen3-Next (Gated-DeltaNet layers + one full-attention layer, a small MoE), the
-   family of :class:`wmtp.tiny.TinyShape`, trained on next-token prediction over Python
+   family of :class:`wmtp.model.tiny.TinyShape`, trained on next-token prediction over Python
    standard-library source (the "coding agent with files pasted in" text), with a share of sequences
    in which a passage repeats further on, so that the model learns to copy from far back. A fixed
    ~5 % of the files (by a hash of their path) are held out for evaluation and never trained on.
@@ -44,8 +44,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from wmtp.layout import REPO_ROOT
-from wmtp.tiny import TinyShape, qwen3_next_config, train_tokenizer, write_checkpoint
-from wmtp.workload import corpus_files
+from wmtp.measure.workload import corpus_files
+from wmtp.model.tiny import TinyShape, qwen3_next_config, train_tokenizer, write_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +56,21 @@ HELDOUT_EVERY = 20  # one file in 20, chosen by a hash of its path under the sta
 # Small enough that the committed checkpoint + tokenizer stay well under 5 MiB (about 1.6 M parameters
 # in bf16), with the tiny model's layer pattern: 3 Gated-DeltaNet layers, then full attention.
 TRAINED_SHAPE = TinyShape(
-    vocab_size=2048, hidden_size=128, num_hidden_layers=4, full_attention_every=4,
-    num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-    linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=2,
-    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    vocab_size=2048,
+    hidden_size=128,
+    num_hidden_layers=4,
+    full_attention_every=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
     max_position_embeddings=32768,
 )
 
@@ -101,16 +112,26 @@ class Budget:
 # A CPU run is reproducible bit for bit only at one vector level: ATen's kernels, MKL's GEMMs and oneDNN each
 # pick the widest instructions the CPU has (AVX2, AVX-512, AMX), and each width sums in another order. These
 # settings cap all three at the same level, with one OpenMP thread; they must be in the environment before
-# torch is imported (``python -m wmtp.train`` sets them first). Measured with the tiny budget on an AVX-512
+# torch is imported (``python -m wmtp.model.train`` sets them first). Measured with the tiny budget on an AVX-512
 # CPU: unpinned it writes other bytes than an AVX2 CPU; pinned at "avx2" it writes the AVX2 CPU's bytes
 # (docs/design.md, "Reproducible training"). MKL's own reproducibility mode (MKL_CBWR) is left off: it
 # changes the bytes again, away from what an AVX2 CPU computes unpinned. AVX2 is on every x86-64 server CPU
 # since 2013; "default" (ATen's scalar kernels) runs anywhere, slower.
 CPU_DISPATCH: dict[str, dict[str, str]] = {
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-             "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
-    "default": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41",
-                "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    },
+    "default": {
+        "ATEN_CPU_CAPABILITY": "default",
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    },
 }
 
 
@@ -126,8 +147,10 @@ def pin_cpu_dispatch(level: str) -> None:
     if level not in CPU_DISPATCH:
         raise DispatchError(f"cpu_dispatch {level!r} is not one of {sorted(CPU_DISPATCH)}")
     if "torch" in sys.modules:
-        raise DispatchError("torch is already imported, so its CPU dispatch can no longer be pinned: train "
-                            "through `python -m wmtp.train train`, or call pin_cpu_dispatch() first")
+        raise DispatchError(
+            "torch is already imported, so its CPU dispatch can no longer be pinned: train "
+            "through `python -m wmtp.model.train train`, or call pin_cpu_dispatch() first"
+        )
     os.environ.update(CPU_DISPATCH[level])
 
 
@@ -139,14 +162,25 @@ def _check_cpu_dispatch(torch_module, level: str) -> str:
     pins = CPU_DISPATCH[level]
     unpinned = {name: os.environ.get(name) for name, value in pins.items() if os.environ.get(name) != value}
     if running != pins["ATEN_CPU_CAPABILITY"] or unpinned:
-        raise DispatchError(f"CPU training must run pinned at {level!r} to be reproducible, but torch dispatches "
-                            f"{running!r} and these settings differ: {unpinned} (this CPU may lack {level}; "
-                            f"train through `python -m wmtp.train train`, which pins them)")
+        raise DispatchError(
+            f"CPU training must run pinned at {level!r} to be reproducible, but torch dispatches "
+            f"{running!r} and these settings differ: {unpinned} (this CPU may lack {level}; "
+            f"train through `python -m wmtp.model.train train`, which pins them)"
+        )
     return running
 
 
-TINY_BUDGET = Budget(target_steps=12, mtp_steps=8, batch=2, seq_len=128, warmup_steps=4, max_chars=300_000,
-                     tokenizer_chars=300_000, eval_batches=1, log_every=4)
+TINY_BUDGET = Budget(
+    target_steps=12,
+    mtp_steps=8,
+    batch=2,
+    seq_len=128,
+    warmup_steps=4,
+    max_chars=300_000,
+    tokenizer_chars=300_000,
+    eval_batches=1,
+    log_every=4,
+)
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -170,7 +204,7 @@ def split_files(root: Path | None = None) -> tuple[list[Path], list[Path]]:
 
 
 def corpus_text(files: list[Path], max_chars: int | None = None) -> str:
-    """Files joined with a header line each, as :func:`wmtp.workload.load_corpus` joins them."""
+    """Files joined with a header line each, as :func:`wmtp.measure.workload.load_corpus` joins them."""
     parts: list[str] = []
     total = 0
     for path in files:
@@ -202,8 +236,9 @@ def token_stream(tokenizer_json: Path, text: str):
     return torch.tensor(ids, dtype=torch.int64)
 
 
-def make_batch(stream, generator, batch: int, seq_len: int, copy_fraction: float, random_share: float = 0.0,
-               vocab_size: int = 0):
+def make_batch(
+    stream, generator, batch: int, seq_len: int, copy_fraction: float, random_share: float = 0.0, vocab_size: int = 0
+):
     """``batch`` random windows of ``seq_len`` tokens; in a share of them a passage recurs further on.
 
     A ``random_share`` of those passages are random tokens rather than code: nothing predicts them
@@ -214,7 +249,7 @@ def make_batch(stream, generator, batch: int, seq_len: int, copy_fraction: float
     import torch
 
     starts = torch.randint(0, len(stream) - seq_len, (batch,), generator=generator)
-    rows = torch.stack([stream[int(s):int(s) + seq_len] for s in starts])
+    rows = torch.stack([stream[int(s) : int(s) + seq_len] for s in starts])
     copied = torch.zeros(batch, seq_len, dtype=torch.bool)
     for b in range(batch):
         if float(torch.rand((), generator=generator)) >= copy_fraction:
@@ -225,9 +260,9 @@ def make_batch(stream, generator, batch: int, seq_len: int, copy_fraction: float
         dst = int(torch.randint(lo, max(lo + 1, seq_len - length + 1), (), generator=generator))
         length = min(length, seq_len - dst)
         if float(torch.rand((), generator=generator)) < random_share:
-            rows[b, src:src + length] = torch.randint(1, vocab_size, (length,), generator=generator)
-        rows[b, dst:dst + length] = rows[b, src:src + length].clone()
-        copied[b, dst + 4:dst + length] = True
+            rows[b, src : src + length] = torch.randint(1, vocab_size, (length,), generator=generator)
+        rows[b, dst : dst + length] = rows[b, src : src + length].clone()
+        copied[b, dst + 4 : dst + length] = True
     return rows, copied
 
 
@@ -244,7 +279,7 @@ def _causal_conv1d(hidden_states, weight, bias=None, activation=None, **_):
     x = F.pad(hidden_states.to(weight.dtype), (width - 1, 0))
     out = x[:, :, 0:seq_len] * weight[:, 0, None]
     for k in range(1, width):
-        out = out + x[:, :, k:k + seq_len] * weight[:, k, None]
+        out = out + x[:, :, k : k + seq_len] * weight[:, k, None]
     if bias is not None:
         out = out + bias[:, None]
     if activation is not None:
@@ -296,8 +331,9 @@ def build_mtp_head(shape: TinyShape, seed: int):
 
         def forward(self, x, position_ids, attention_mask=None):
             position_embeddings = self.rotary(x, position_ids)
-            x = self.layers[0](x, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                               position_ids=position_ids)
+            x = self.layers[0](
+                x, position_embeddings=position_embeddings, attention_mask=attention_mask, position_ids=position_ids
+            )
             return self.norm(x)
 
     return MTPHead()
@@ -317,9 +353,9 @@ def chain_mask(n: int, depth: int):
     blocks = depth + 1
     mask = torch.zeros(blocks * n, blocks * n, dtype=torch.bool)
     for q in range(blocks):
-        mask[q * n:(q + 1) * n, 0:n] = causal
+        mask[q * n : (q + 1) * n, 0:n] = causal
         for k in range(1, q + 1):
-            mask[q * n:(q + 1) * n, k * n:(k + 1) * n] = same
+            mask[q * n : (q + 1) * n, k * n : (k + 1) * n] = same
     return mask[None, None]
 
 
@@ -357,7 +393,7 @@ def mtp_losses(target, head, rows, depth: int, weights: tuple[float, ...], copie
         x = torch.cat(blocks, dim=1)
         positions = torch.cat([idx + e for e in range(d + 1)])[None]
         mask = None if d == 0 else chain_mask(n, d).to(device)
-        out = head(x, positions, mask)[:, d * n:]
+        out = head(x, positions, mask)[:, d * n :]
         logits = target.lm_head(out)
         label = greedy[:, tok]
         ce = F.cross_entropy(logits.flatten(0, 1), label.flatten(), reduction="none").view(batch, n)
@@ -388,8 +424,11 @@ def _optimizer(params, lr: float, weight_decay: float):
     params = [p for p in params if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
 
 
 @dataclass
@@ -405,8 +444,14 @@ def _steps(n: int, every: int) -> Iterator[tuple[int, bool]]:
         yield step, (step + 1) % every == 0 or step == n - 1
 
 
-def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape: TinyShape | None = None,
-               tokenizer_json: Path | None = None, stdlib: Path | None = None) -> dict:
+def train_tiny(
+    out_dir: Path,
+    seed: int = 0,
+    budget: Budget | None = None,
+    shape: TinyShape | None = None,
+    tokenizer_json: Path | None = None,
+    stdlib: Path | None = None,
+) -> dict:
     """Train target then MTP head; write the checkpoint into ``out_dir``; returns its manifest.
 
     ``tokenizer_json`` reuses a tokenizer (e.g. the fixture's) instead of training one; ``stdlib`` reads
@@ -443,8 +488,12 @@ def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape
             shutil.copyfile(tokenizer_json.parent / name, out_dir / name)
     stream = token_stream(out_dir / "tokenizer.json", corpus_text(train_files, budget.max_chars))
     eval_stream = token_stream(out_dir / "tokenizer.json", corpus_text(heldout_files))
-    log.info("training stream %d tokens, held-out stream %d tokens (%d files)", len(stream), len(eval_stream),
-             len(heldout_files))
+    log.info(
+        "training stream %d tokens, held-out stream %d tokens (%d files)",
+        len(stream),
+        len(eval_stream),
+        len(heldout_files),
+    )
     record.seconds["data"] = round(time.monotonic() - started, 1)
 
     layer_types = shape.resolved_layer_types()
@@ -454,14 +503,24 @@ def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape
     data_gen = torch.Generator().manual_seed(seed + 10)
     eval_gen = torch.Generator().manual_seed(seed + 20)
     # Held-out rows repeat code passages only: does copying carry over to real text?
-    eval_rows = [tuple(t.to(device) for t in make_batch(eval_stream, eval_gen, budget.batch, budget.seq_len,
-                                                        budget.copy_fraction))
-                 for _ in range(budget.eval_batches)]
+    eval_rows = [
+        tuple(
+            t.to(device) for t in make_batch(eval_stream, eval_gen, budget.batch, budget.seq_len, budget.copy_fraction)
+        )
+        for _ in range(budget.eval_batches)
+    ]
 
     def training_batch():
         """The next training rows (and their copy mask) from the one seeded stream, on the device."""
-        batch = make_batch(stream, data_gen, budget.batch, budget.seq_len, budget.copy_fraction,
-                           budget.random_copy_share, shape.vocab_size)
+        batch = make_batch(
+            stream,
+            data_gen,
+            budget.batch,
+            budget.seq_len,
+            budget.copy_fraction,
+            budget.random_copy_share,
+            shape.vocab_size,
+        )
         return tuple(t.to(device) for t in batch)
 
     def target_loss(rows, copied):
@@ -489,8 +548,14 @@ def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape
             if report:
                 record.target_loss.append((step + 1, round(loss.item(), 4), round(copy_acc, 4)))
                 rate = (step + 1) * rows.numel() / (time.monotonic() - t0)
-                log.info("target step %d/%d: loss %.3f, accuracy on repeated passages %.3f (%.0f tok/s)", step + 1,
-                         budget.target_steps, loss.item(), copy_acc, rate)
+                log.info(
+                    "target step %d/%d: loss %.3f, accuracy on repeated passages %.3f (%.0f tok/s)",
+                    step + 1,
+                    budget.target_steps,
+                    loss.item(),
+                    copy_acc,
+                    rate,
+                )
         record.seconds["target"] = round(time.monotonic() - t0, 1)
         target.eval()
         for p in target.parameters():
@@ -499,15 +564,18 @@ def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape
             evals = [target_loss(*r) for r in eval_rows]
         record.heldout["target_loss"] = round(sum(float(e[0]) for e in evals) / len(evals), 4)
         record.heldout["target_copy_accuracy"] = round(sum(e[1] for e in evals) / len(evals), 4)
-        log.info("target held-out loss %.3f, accuracy on repeated passages %.3f", record.heldout["target_loss"],
-                 record.heldout["target_copy_accuracy"])
+        log.info(
+            "target held-out loss %.3f, accuracy on repeated passages %.3f",
+            record.heldout["target_loss"],
+            record.heldout["target_copy_accuracy"],
+        )
 
         # Stage 2: the MTP head, target frozen.
         t0 = time.monotonic()
         head = build_mtp_head(shape, seed + 1).to(device)
         head.train()
         opt = _optimizer(head.parameters(), budget.mtp_lr, budget.weight_decay)
-        weights = budget.draft_weights[:budget.draft_depth]
+        weights = budget.draft_weights[: budget.draft_depth]
         for step, report in _steps(budget.mtp_steps, budget.log_every):
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, budget.mtp_steps, budget.mtp_lr, budget.warmup_steps)
@@ -519,27 +587,47 @@ def train_tiny(out_dir: Path, seed: int = 0, budget: Budget | None = None, shape
             opt.step()
             if report:
                 record.mtp_loss.append((step + 1, round(loss.item(), 4)))
-                log.info("mtp step %d/%d: loss %.3f, agreement per draft step %s, on repeated passages %.3f",
-                         step + 1, budget.mtp_steps, loss.item(), [round(a, 3) for a in agree[:-1]], agree[-1])
+                log.info(
+                    "mtp step %d/%d: loss %.3f, agreement per draft step %s, on repeated passages %.3f",
+                    step + 1,
+                    budget.mtp_steps,
+                    loss.item(),
+                    [round(a, 3) for a in agree[:-1]],
+                    agree[-1],
+                )
         record.seconds["mtp"] = round(time.monotonic() - t0, 1)
         head.eval()
         with torch.no_grad():
             per_step = [mtp_losses(target, head, r, budget.draft_depth, weights, c)[1] for r, c in eval_rows]
         means = [round(sum(s[d] for s in per_step) / len(per_step), 4) for d in range(budget.draft_depth + 1)]
         record.heldout["mtp_agreement"], record.heldout["mtp_copy_agreement"] = means[:-1], means[-1]
-        log.info("MTP held-out agreement with the target's greedy token per draft step (teacher-forced): %s; "
-                 "draft step 1 on repeated passages: %.3f", means[:-1], means[-1])
+        log.info(
+            "MTP held-out agreement with the target's greedy token per draft step (teacher-forced): %s; "
+            "draft step 1 on repeated passages: %.3f",
+            means[:-1],
+            means[-1],
+        )
 
     state = {name: tensor.cpu() for name, tensor in target.state_dict().items()}
     state.update({f"mtp.{name}": tensor.cpu() for name, tensor in head.state_dict().items()})
     record.seconds["total"] = round(time.monotonic() - started, 1)
     manifest = {
-        "seed": seed, "shape": asdict(shape), "budget": asdict(budget), "trained": True,
-        "heldout_every": HELDOUT_EVERY, "heldout_files": len(heldout_files),
-        "training_tokens": len(stream), "log": asdict(record), "threads": budget.threads,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_dispatch": dispatch,
-        **({"cuda_device": torch.cuda.get_device_name(device), "torch": torch.__version__}
-           if device.type == "cuda" else {}),
+        "seed": seed,
+        "shape": asdict(shape),
+        "budget": asdict(budget),
+        "trained": True,
+        "heldout_every": HELDOUT_EVERY,
+        "heldout_files": len(heldout_files),
+        "training_tokens": len(stream),
+        "log": asdict(record),
+        "threads": budget.threads,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_dispatch": dispatch,
+        **(
+            {"cuda_device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+            if device.type == "cuda"
+            else {}
+        ),
     }
     return write_checkpoint(out_dir, state, config, shape.num_experts, manifest)
 
@@ -563,8 +651,10 @@ def verify(model_dir: Path) -> dict:
         if not path.exists():
             raise FixtureError(f"{model_dir}: {name} is missing (the manifest lists it)")
         if sha256(path) != digest:
-            raise FixtureError(f"{model_dir}: {name} has sha256 {sha256(path)[:16]}…, the manifest says "
-                               f"{digest[:16]}… (retrain with `python -m wmtp.train train`, or restore the file)")
+            raise FixtureError(
+                f"{model_dir}: {name} has sha256 {sha256(path)[:16]}…, the manifest says "
+                f"{digest[:16]}… (retrain with `python -m wmtp.model.train train`, or restore the file)"
+            )
     return manifest
 
 
@@ -572,8 +662,10 @@ def install_fixture(out_dir: Path, fixture: Path = FIXTURE_DIR, seed: int | None
     """Copy the committed trained checkpoint into ``out_dir`` after checking its hashes (no torch needed)."""
     manifest = verify(fixture)
     if seed is not None and seed != manifest["seed"]:
-        raise FixtureError(f"config: the committed trained model was trained with seed {manifest['seed']}, not "
-                           f"{seed}; use that seed, or retrain (rule train_tiny)")
+        raise FixtureError(
+            f"config: the committed trained model was trained with seed {manifest['seed']}, not "
+            f"{seed}; use that seed, or retrain (rule train_tiny)"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in [*manifest["files"], MANIFEST]:
         shutil.copyfile(fixture / name, out_dir / name)
@@ -582,12 +674,12 @@ def install_fixture(out_dir: Path, fixture: Path = FIXTURE_DIR, seed: int | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m wmtp.train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m wmtp.model.train", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train target + MTP head on CPU and write the checkpoint")
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--budget", type=json.loads, default={}, help='JSON overrides of Budget, e.g. \'{"mtp_steps": 20}\'')
+    t.add_argument("--budget", type=json.loads, default={}, help="JSON overrides of Budget, e.g. '{\"mtp_steps\": 20}'")
     t.add_argument("--tiny", action="store_true", help="the test's tiny budget (seconds; for the determinism check)")
     t.add_argument("--tokenizer", type=Path, help="reuse this tokenizer.json instead of training one")
     t.add_argument("--shape", type=json.loads, default={}, help="JSON overrides of the trained TinyShape")
@@ -606,8 +698,9 @@ def main(argv: list[str] | None = None) -> int:
     shape = TinyShape(**{**asdict(TRAINED_SHAPE), **args.shape})
     if budget.device == "cpu":
         pin_cpu_dispatch(budget.cpu_dispatch)
-    manifest = train_tiny(args.out, seed=args.seed, budget=budget, shape=shape, tokenizer_json=args.tokenizer,
-                          stdlib=args.stdlib)
+    manifest = train_tiny(
+        args.out, seed=args.seed, budget=budget, shape=shape, tokenizer_json=args.tokenizer, stdlib=args.stdlib
+    )
     log.info("model.safetensors sha256 %s", manifest["files"]["model.safetensors"])
     return 0
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from wmtp import analysis
+from wmtp.analyze import analysis
 from wmtp.layout import COUNTERS_FILE, MANIFEST_FILE, REQUESTS_FILE
 
 log = logging.getLogger(__name__)
@@ -22,10 +22,17 @@ DEFAULT_WORKLOAD = "code"
 
 def _cell_keys(manifest: dict) -> dict:
     cell = manifest["cell"]
-    return {"study": manifest["study"], "cell_id": manifest["cell_id"], "model": cell["model"],
-            "engine": cell["engine"], "arm": cell["arm"], "k": int(cell.get("k") or 0),
-            "sink": cell.get("sink"), "window": cell.get("window"),
-            "concurrency": int(cell.get("concurrency") or 1)}
+    return {
+        "study": manifest["study"],
+        "cell_id": manifest["cell_id"],
+        "model": cell["model"],
+        "engine": cell["engine"],
+        "arm": cell["arm"],
+        "k": int(cell.get("k") or 0),
+        "sink": cell.get("sink"),
+        "window": cell.get("window"),
+        "concurrency": int(cell.get("concurrency") or 1),
+    }
 
 
 def request_table(cell_dir: Path) -> pd.DataFrame:
@@ -36,12 +43,17 @@ def request_table(cell_dir: Path) -> pd.DataFrame:
         frame["workload"] = DEFAULT_WORKLOAD
     for key, value in _cell_keys(manifest).items():
         frame[key] = value
-    frame["decode_tok_s"] = [analysis.decode_tok_s(c, e, t) for c, e, t in
-                             zip(frame["completion_tokens"], frame["e2e_s"], frame["ttft_s"], strict=True)]
-    frame["prefill_tok_s"] = [analysis.prefill_tok_s(p, t) for p, t in
-                              zip(frame["prompt_tokens"], frame["ttft_s"], strict=True)]
-    frame["tok_per_j"] = [analysis.tok_per_j(c - 1, None if pd.isna(e) else float(e))
-                          for c, e in zip(frame["completion_tokens"], frame["energy_decode_j"], strict=True)]
+    frame["decode_tok_s"] = [
+        analysis.decode_tok_s(c, e, t)
+        for c, e, t in zip(frame["completion_tokens"], frame["e2e_s"], frame["ttft_s"], strict=True)
+    ]
+    frame["prefill_tok_s"] = [
+        analysis.prefill_tok_s(p, t) for p, t in zip(frame["prompt_tokens"], frame["ttft_s"], strict=True)
+    ]
+    frame["tok_per_j"] = [
+        analysis.tok_per_j(c - 1, None if pd.isna(e) else float(e))
+        for c, e in zip(frame["completion_tokens"], frame["energy_decode_j"], strict=True)
+    ]
     frame["power_status"] = manifest.get("power_status", "unavailable")
     return frame
 
@@ -70,8 +82,9 @@ def rung_table(requests: pd.DataFrame, deltas: pd.DataFrame) -> pd.DataFrame:
     for keys, group in requests.groupby([*CELL_KEYS, *RUNG_KEYS], dropna=False, sort=True):
         row = dict(zip([*CELL_KEYS, *RUNG_KEYS], keys, strict=True))
         d = _rung_deltas(deltas, row["workload"], row["rung"])
-        d_drafts, d_draft_tokens, d_accepted = (float(d[name].iloc[0]) if name in d and len(d) else 0.0
-                                                for name in ("drafts", "draft_tokens", "accepted"))
+        d_drafts, d_draft_tokens, d_accepted = (
+            float(d[name].iloc[0]) if name in d and len(d) else 0.0 for name in ("drafts", "draft_tokens", "accepted")
+        )
         decode = float(group["decode_tok_s"].median())
         tpv = 1.0 if row["arm"] == "none" else analysis.tok_per_verify(d_accepted, d_drafts)
         energy = _sum_or_nan(group["energy_decode_j"])
@@ -85,10 +98,13 @@ def rung_table(requests: pd.DataFrame, deltas: pd.DataFrame) -> pd.DataFrame:
             decode_tok_s_sem=float(group["decode_tok_s"].sem()) if len(group) > 1 else math.nan,
             ttft_s=float(group["ttft_s"].median()),
             prefill_tok_s=float(group["prefill_tok_s"].median()),
-            d_drafts=d_drafts, d_draft_tokens=d_draft_tokens, d_accepted=d_accepted,
+            d_drafts=d_drafts,
+            d_draft_tokens=d_draft_tokens,
+            d_accepted=d_accepted,
             tok_per_verify=tpv,
-            acceptance_rate=(math.nan if row["arm"] == "none"
-                             else analysis.acceptance_rate(d_accepted, d_draft_tokens)),
+            acceptance_rate=(
+                math.nan if row["arm"] == "none" else analysis.acceptance_rate(d_accepted, d_draft_tokens)
+            ),
             cycle_ms=analysis.cycle_ms(tpv, decode),
             energy_decode_j=energy,
             decode_window_s=window_s,
@@ -109,8 +125,14 @@ def position_table(rungs: pd.DataFrame, deltas_by_cell: dict[str, pd.DataFrame])
         for column in sorted(c for c in d.columns if str(c).startswith("accepted_pos_")):
             pos = int(str(column).rsplit("_", 1)[1])
             value = float(d[column].iloc[0])
-            rows.append({**{k: rung[k] for k in [*CELL_KEYS, *RUNG_KEYS]}, "position": pos,
-                         "d_accepted_pos": value, "rate": analysis.position_rate(value, rung["d_drafts"])})
+            rows.append(
+                {
+                    **{k: rung[k] for k in [*CELL_KEYS, *RUNG_KEYS]},
+                    "position": pos,
+                    "d_accepted_pos": value,
+                    "rate": analysis.position_rate(value, rung["d_drafts"]),
+                }
+            )
     columns = [*CELL_KEYS, *RUNG_KEYS, "position", "d_accepted_pos", "rate"]
     return pd.DataFrame(rows, columns=columns)
 
@@ -128,8 +150,7 @@ def collect(cell_dirs: list[Path], out_dir: Path) -> dict[str, pd.DataFrame]:
         requests.append(req)
         rungs.append(rung_table(req, deltas))
         log.info("collected %s (%d requests)", cell_dir, len(req))
-    tables = {"requests": pd.concat(requests, ignore_index=True),
-              "rungs": pd.concat(rungs, ignore_index=True)}
+    tables = {"requests": pd.concat(requests, ignore_index=True), "rungs": pd.concat(rungs, ignore_index=True)}
     tables["positions"] = position_table(tables["rungs"], deltas_by_cell)
     for name, frame in tables.items():
         frame.to_parquet(out_dir / f"{name}.parquet", index=False)

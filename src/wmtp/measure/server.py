@@ -47,8 +47,15 @@ def _tail(path: Path, lines: int = 25) -> str:
 class ServerProcess:
     """Start ``argv`` in its own process group; ``stop()`` ends the whole group."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, base_url: str,
-                 health_path: str = "/health", make_dirs: Sequence[str] = ()):
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        base_url: str,
+        health_path: str = "/health",
+        make_dirs: Sequence[str] = (),
+    ):
         self.argv = argv
         # Directories the server expects to exist (its temp and cache folders, as its adapter names them).
         self.make_dirs = tuple(make_dirs)
@@ -65,9 +72,15 @@ class ServerProcess:
         log_file = self.log_path.open("ab")
         full_env = {**os.environ, **self.env}
         log.info("starting server: %s", " ".join(self.argv))
-        self.proc = subprocess.Popen(self.argv, stdout=log_file, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True, stdin=subprocess.DEVNULL,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
         log_file.close()
 
     @property
@@ -85,15 +98,19 @@ class ServerProcess:
             while True:
                 if not self.alive():
                     code = self.proc.returncode if self.proc else None
-                    raise ServerError(f"server exited with code {code} before it was healthy; "
-                                      f"last lines of {self.log_path}:\n{_tail(self.log_path)}")
+                    raise ServerError(
+                        f"server exited with code {code} before it was healthy; "
+                        f"last lines of {self.log_path}:\n{_tail(self.log_path)}"
+                    )
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(self.base_url + self.health_path).status_code == 200:
                         return time.monotonic() - started
                 now = time.monotonic()
                 if now - started > timeout_s:
-                    raise ServerError(f"server not healthy after {timeout_s:.0f} s; last lines of "
-                                      f"{self.log_path}:\n{_tail(self.log_path)}")
+                    raise ServerError(
+                        f"server not healthy after {timeout_s:.0f} s; last lines of "
+                        f"{self.log_path}:\n{_tail(self.log_path)}"
+                    )
                 if now >= next_note:
                     log.info("waiting for the server to become healthy (%.0f s so far)", now - started)
                     next_note = now + progress_every_s

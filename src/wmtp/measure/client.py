@@ -55,17 +55,32 @@ def _events(lines: Iterable[str]) -> Iterator[dict]:
         yield json.loads(payload)
 
 
-def complete(base_url: str, model: str, prompt: str | list[int], max_tokens: int, *, temperature: float = 0.0,
-             logprobs: int | None = None, ignore_eos: bool = True, timeout_s: float = 600.0,
-             on_first_token: Callable[[], None] | None = None,
-             client: httpx.Client | None = None, extra_body: Mapping | None = None) -> Completion:
+def complete(
+    base_url: str,
+    model: str,
+    prompt: str | list[int],
+    max_tokens: int,
+    *,
+    temperature: float = 0.0,
+    logprobs: int | None = None,
+    ignore_eos: bool = True,
+    timeout_s: float = 600.0,
+    on_first_token: Callable[[], None] | None = None,
+    client: httpx.Client | None = None,
+    extra_body: Mapping | None = None,
+) -> Completion:
     """One streamed completion; greedy by default, fixed length (ignore_eos).
 
     ``extra_body`` adds engine-specific request fields (SGLang: ``return_spec_tokens_details``).
     """
     body: dict = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos,
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,
     }
     if logprobs is not None:
         body["logprobs"] = logprobs
@@ -112,8 +127,17 @@ def complete(base_url: str, model: str, prompt: str | list[int], max_tokens: int
         raise RequestError("stream ended without a usage chunk (stream_options.include_usage)")
     if first_at is None:
         raise RequestError("stream ended without any generated token")
-    return Completion(text="".join(texts), prompt_tokens=int(usage["prompt_tokens"]),
-                      completion_tokens=int(usage["completion_tokens"]), ttft_s=first_at - started,
-                      e2e_s=finished - started, started_at=started, first_token_at=first_at,
-                      finished_at=finished, token_ids=token_ids, top_logprobs=tops, finish_reason=finish,
-                      extensions=extensions)
+    return Completion(
+        text="".join(texts),
+        prompt_tokens=int(usage["prompt_tokens"]),
+        completion_tokens=int(usage["completion_tokens"]),
+        ttft_s=first_at - started,
+        e2e_s=finished - started,
+        started_at=started,
+        first_token_at=first_at,
+        finished_at=finished,
+        token_ids=token_ids,
+        top_logprobs=tops,
+        finish_reason=finish,
+        extensions=extensions,
+    )

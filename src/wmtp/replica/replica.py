@@ -35,7 +35,7 @@ CUDA events; median and 10/90 % quantiles are reported.  Components (target atte
 other, lm_head, draft attention, draft other, draft lm_head) are timed as their own graphs behind
 an L2 scrub, minus the scrub alone; the full step is timed as one graph.
 
-CLI: ``python -m wmtp.replica sweep ...`` (GPU measurement, CSVs) and ``python -m wmtp.replica
+CLI: ``python -m wmtp.replica.replica sweep ...`` (GPU measurement, CSVs) and ``python -m wmtp.replica.replica
 tidy ...`` (raw CSVs + cost-model prediction -> one tidy parquet; needs no torch).
 """
 
@@ -58,8 +58,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wmtp import costmodel as cm
-from wmtp.analysis import cost_side_ratio
+from wmtp.analyze import costmodel as cm
+from wmtp.analyze.analysis import cost_side_ratio
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -81,7 +81,7 @@ except ImportError:  # CPU dev machines
     tl = None  # type: ignore[assignment]
     HAVE_TRITON = False
 
-log = logging.getLogger("wmtp.replica")
+log = logging.getLogger("wmtp.replica.replica")
 
 ATTN_BACKENDS = ("triton", "aten", "math")
 
@@ -1734,13 +1734,13 @@ def print_summary(out: Path) -> None:
 # ============================================================================================
 
 
-
 def _cost_side_ratios(nat: pd.DataFrame, win: pd.DataFrame, column: str) -> pd.Series:
     """Native over windowed step time, row by row on the native rows' index."""
     import pandas as pd
 
     windowed = win[column].reindex(nat.index)
     return pd.Series([cost_side_ratio(n, w) for n, w in zip(nat[column], windowed, strict=True)], index=nat.index)
+
 
 def tidy(raw: Path, models_dir: Path, out: Path, bandwidth: float | None = None) -> int:
     """Measured steps next to the cost model; one row per (model, context, k, arm).
@@ -1826,15 +1826,17 @@ def _ints_or_none(s: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m wmtp.replica", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m wmtp.replica.replica", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sw = sub.add_parser("sweep", help="measure on a CUDA GPU; CSVs into --out")
     sw.add_argument("--models", nargs="+", type=Path, required=True, help="config/models/*.json files")
-    sw.add_argument("--contexts", type=_ints_or_none, default=_ints("2k,32k,128k,256k,512k,1m"))
-    sw.add_argument("--ks", type=_ints, default=[1, 3, 5])
-    sw.add_argument("--sink", type=int, default=64)
-    sw.add_argument("--window", type=int, default=4032)
-    sw.add_argument("--reps", type=int, default=30)
+    # No defaults here: the study file's `replica:` (wmtp.config.ReplicaSettings) is the one place they live,
+    # and a direct run names its design point in full.
+    sw.add_argument("--contexts", type=_ints_or_none, required=True, help="e.g. 2k,32k,1m; none: no sweep points")
+    sw.add_argument("--ks", type=_ints, required=True, help="draft depths, e.g. 1,3,5")
+    sw.add_argument("--sink", type=int, required=True)
+    sw.add_argument("--window", type=int, required=True)
+    sw.add_argument("--reps", type=int, required=True, help="timed CUDA-graph replays per piece")
     sw.add_argument("--backend", choices=("auto", *ATTN_BACKENDS), default="auto")
     sw.add_argument("--splits", type=int, default=None, help="KV chunks per range (default: auto)")
     sw.add_argument("--no-graphs", action="store_true")

@@ -62,8 +62,9 @@ def load_corpus(max_chars: int = 16_000_000) -> Corpus:
 TokenCounter = Callable[[str], list[int]]
 
 
-def exact_length_text(encode: TokenCounter, decode: Callable[[list[int]], str], source: str,
-                      n_tokens: int, max_tries: int = 64) -> str:
+def exact_length_text(
+    encode: TokenCounter, decode: Callable[[list[int]], str], source: str, n_tokens: int, max_tries: int = 64
+) -> str:
     """A prefix of ``source`` that encodes to exactly ``n_tokens`` tokens, or PromptLengthError.
 
     Cutting token ids and decoding can re-merge across the cut, so the candidate cut point moves
@@ -84,8 +85,9 @@ def exact_length_text(encode: TokenCounter, decode: Callable[[list[int]], str], 
         candidate = decode(ids[:cut])
         if len(encode(candidate)) == n_tokens:
             return candidate
-    raise PromptLengthError(f"no cut near {n_tokens} tokens re-encodes to exactly {n_tokens} tokens "
-                            f"after {max_tries} tries")
+    raise PromptLengthError(
+        f"no cut near {n_tokens} tokens re-encodes to exactly {n_tokens} tokens after {max_tries} tries"
+    )
 
 
 class PromptFactory:
@@ -108,7 +110,7 @@ class PromptFactory:
     def _slice(self, start: int, n_chars: int) -> str:
         text = self.corpus.text
         start %= len(text)
-        piece = text[start:start + n_chars]
+        piece = text[start : start + n_chars]
         while len(piece) < n_chars:  # wrap around a short corpus
             piece += text[: n_chars - len(piece)]
         return piece
@@ -144,9 +146,16 @@ class CopyTask:
         return n_tokens - self.passage_start
 
 
-def copy_task_prompt(factory: PromptFactory, n_tokens: int, index: int, passage_tokens: int = COPY_PASSAGE_TOKENS,
-                     cue_tokens: int = COPY_CUE_TOKENS, lead_tokens: int = COPY_LEAD_TOKENS, salt: str = "copy",
-                     max_tries: int = 64) -> CopyTask:
+def copy_task_prompt(
+    factory: PromptFactory,
+    n_tokens: int,
+    index: int,
+    passage_tokens: int = COPY_PASSAGE_TOKENS,
+    cue_tokens: int = COPY_CUE_TOKENS,
+    lead_tokens: int = COPY_LEAD_TOKENS,
+    salt: str = "copy",
+    max_tries: int = 64,
+) -> CopyTask:
     """The hard / low-acceptance workload: exactly ``n_tokens`` tokens that end by starting to repeat a
     passage from far back, so that the right continuation is a copy of text the window cannot see.
 
@@ -166,8 +175,10 @@ def copy_task_prompt(factory: PromptFactory, n_tokens: int, index: int, passage_
     tail = f"\n\n{cue}"
     filler_tokens = n_tokens - head_tokens - len(factory.encode(tail))
     if filler_tokens < 16:
-        raise PromptLengthError(f"{n_tokens} tokens cannot hold a {lead_tokens}-token lead-in, a "
-                                f"{passage_tokens}-token passage and its {cue_tokens}-token cue")
+        raise PromptLengthError(
+            f"{n_tokens} tokens cannot hold a {lead_tokens}-token lead-in, a "
+            f"{passage_tokens}-token passage and its {cue_tokens}-token cue"
+        )
     offsets = [0]
     for step in range(1, max_tries):
         offsets += [-step, step]
@@ -181,8 +192,9 @@ def copy_task_prompt(factory: PromptFactory, n_tokens: int, index: int, passage_
             filler = factory.prompt(filler_tokens + offset, index, salt=filler_salt)
             text = head + filler + tail
             if len(factory.encode(text)) == n_tokens:
-                return CopyTask(text, len(factory.encode(f"{lead}\n\n")), passage_tokens, cue_tokens,
-                                passage[len(cue):])
+                return CopyTask(
+                    text, len(factory.encode(f"{lead}\n\n")), passage_tokens, cue_tokens, passage[len(cue) :]
+                )
     raise PromptLengthError(f"no filler length near {filler_tokens} makes the copy task exactly {n_tokens} tokens")
 
 

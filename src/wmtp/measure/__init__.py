@@ -1,0 +1,1 @@
+"""Cells: prompts, one server per cell, its counters, power and energy, raw files."""

@@ -1,0 +1,1 @@
+"""The study report: loads the tidy tables and published numbers, draws, renders HTML."""

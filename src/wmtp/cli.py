@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from wmtp.config import Cell, ConfigError, load_study
+from wmtp.config import Cell, ConfigError, Study, load_study, study_warnings
 from wmtp.layout import REPO_ROOT
 
 
@@ -23,7 +23,7 @@ def _setup_logging(log_file: Path | None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def _study(args: argparse.Namespace):
+def _study(args: argparse.Namespace) -> Study:
     overrides = json.loads(args.overrides) if getattr(args, "overrides", None) else None
     return load_study(args.config, overrides=overrides, base_dir=Path.cwd())
 
@@ -33,6 +33,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     cells = study.cells()
     protocol = study.protocol
     print(f"{args.config}: study {study.study!r} is valid: {len(cells)} cells")
+    # Also logged on stderr by load_study; printed here so the listing shows everything the run will be.
+    for warning in study_warnings(study):
+        print(f"  warning: {warning}")
     print(
         f"  each sweeps rungs {', '.join(map(str, protocol.rungs))} × repeats {protocol.repeats} on "
         f"workloads {', '.join(protocol.workloads)}"

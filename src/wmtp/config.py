@@ -3,19 +3,22 @@
 A study file is checked twice: first against ``config/schemas/config.schema.yaml`` (shape and
 types), then by the pydantic models below (cross-field rules such as "a context length must be
 below the model's maximum length"). Both raise :class:`ConfigError` whose message starts with the
-offending key, e.g. ``config: arms[2].k must be ≥ 1 for arm 'mtp' (got 0)``.
+offending key, e.g. ``config: arms[2].k must be ≥ 1 for arm 'mtp' (got 0)``. What is legal but
+probably not meant (a window that covers every token) is a warning: :func:`study_warnings`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
+import logging
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from wmtp.layout import REPO_ROOT, CellIdError, CellKey, format_cell_id, parse_cell_id
 
@@ -33,6 +36,15 @@ COPY_PASSAGE_TOKENS = 256
 COPY_CUE_TOKENS = 32
 # The shortest prompt a copy task fits in with its defaults: lead-in, passage, cue, separators and filler.
 COPY_MIN_TOKENS = COPY_LEAD_TOKENS + COPY_PASSAGE_TOKENS + COPY_CUE_TOKENS + 64
+# The max_position_embeddings of every generated checkpoint (wmtp.model.tiny's TinyShape and train's TRAINED_SHAPE):
+# kept here because config sits below wmtp.model; tests/test_refusals.py checks that the two agree.
+GENERATED_MAX_POSITIONS = 32768
+# What each engine kind reads to override the checkpoint's config.json, and the variable that lets it serve beyond
+# the checkpoint's own length (without it the engine refuses such a max_model_len at start-up).
+CONFIG_OVERRIDE_FLAGS = {"vllm": "--hf-overrides", "sglang": "--json-model-override-args"}
+ALLOW_LONGER_ENV = {"vllm": "VLLM_ALLOW_LONG_MAX_MODEL_LEN", "sglang": "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"}
+
+log = logging.getLogger("wmtp.config")
 
 
 class ConfigError(ValueError):
@@ -60,6 +72,18 @@ class EngineSpec(_Strict):
     container_runtime: Literal["docker", "apptainer"] | None = None
     env: dict[str, str] = Field(default_factory=dict)
     serve_args: list[str] = Field(default_factory=list)
+    # A server bound beyond loopback (--host in serve_args) is reachable by anyone on the network: only with this
+    # set and an API key given.
+    allow_remote: bool = False
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Left out while false, so that the spec hash (engine rebuilds, cell identities) of an engine that does not
+        # set it depends only on the keys its study gives.
+        data = handler(self)
+        if not self.allow_remote:
+            data.pop("allow_remote", None)
+        return data
 
 
 class ModelSpec(_Strict):
@@ -135,10 +159,18 @@ class Study(_Strict):
     protocol: ProtocolSpec
 
     def engine(self, name: str) -> EngineSpec:
-        return next(e for e in self.engines if e.name == name)
+        for engine in self.engines:
+            if engine.name == name:
+                return engine
+        known = ", ".join(e.name for e in self.engines)
+        raise ConfigError(f"config: no engine named {name!r} in study {self.study!r} (its engines: {known})")
 
     def model(self, name: str) -> ModelSpec:
-        return next(m for m in self.models if m.name == name)
+        for model in self.models:
+            if model.name == name:
+                return model
+        known = ", ".join(m.name for m in self.models)
+        raise ConfigError(f"config: no model named {name!r} in study {self.study!r} (its models: {known})")
 
     def model_dir(self, name: str) -> Path:
         """Where the checkpoint of a model lives (generated models live under models_dir)."""
@@ -342,12 +374,197 @@ def _check_protocol(protocol: Mapping[str, Any], models: list[Mapping[str, Any]]
             )
 
 
+def _check_warmup(protocol: Mapping[str, Any], models: list[Mapping[str, Any]]) -> None:
+    fields = ProtocolSpec.model_fields
+    prompt = protocol.get("warmup_prompt_tokens", fields["warmup_prompt_tokens"].default)
+    output = protocol.get("warmup_output_tokens", fields["warmup_output_tokens"].default)
+    for i, model in enumerate(models):
+        if prompt + output > model["max_model_len"]:
+            raise ConfigError(
+                f"config: protocol.warmup_prompt_tokens = {prompt} plus protocol.warmup_output_tokens = {output} "
+                f"does not fit below models[{i}].max_model_len = {model['max_model_len']} (model {model['name']!r})"
+            )
+
+
+def _check_ring(arms: list[Mapping[str, Any]], engines: list[Mapping[str, Any]]) -> None:
+    """The wmtp plugin refuses ``ring = true`` only once the server has started; refuse the study instead."""
+    for i, arm in enumerate(arms):
+        if arm["name"] != "wmtp-ring":
+            continue
+        for j, engine in enumerate(engines):
+            if engine["kind"] == "vllm":
+                raise ConfigError(
+                    f"config: arms[{i}].name 'wmtp-ring' cannot run on engines[{j}] {engine['name']!r} (vllm): the "
+                    "wmtp plugin does not implement the draft's own S+W ring buffer and refuses ring = true at "
+                    "start-up; use arm 'wmtp' (the same window, without the ring buffer)"
+                )
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The value a server's argument parser ends up with: the last ``flag value`` or ``flag=value``."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(f"{flag}="):
+            value = arg[len(flag) + 1 :]
+    return value
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_remote(where: str, host: str, j: int, engine: Mapping[str, Any], args: list[str]) -> None:
+    vllm = engine["kind"] == "vllm"
+    key_hint = "--api-key in serve_args" + (" or VLLM_API_KEY in env" if vllm else "")
+    if not engine.get("allow_remote", False):
+        raise ConfigError(
+            f"config: {where} --host {host} would open engine {engine['name']!r} to the network unauthenticated; "
+            f"bind a loopback address (127.0.0.1), or set engines[{j}].allow_remote: true and give an API key "
+            f"({key_hint})"
+        )
+    has_key = bool(_flag_value(args, "--api-key")) or (vllm and bool(engine.get("env", {}).get("VLLM_API_KEY")))
+    if not has_key:
+        raise ConfigError(
+            f"config: {where} --host {host} with engines[{j}].allow_remote: true has no API key, so the server "
+            f"would be unauthenticated; give {key_hint}"
+        )
+
+
+def _check_binds(engines: list[Mapping[str, Any]], models: list[Mapping[str, Any]]) -> None:
+    """A server reachable beyond this machine only on purpose and with a key: every cell's argv is engine + model."""
+    for j, engine in enumerate(engines):
+        for i, model in enumerate(models):
+            engine_args, model_args = list(engine.get("serve_args", [])), list(model.get("serve_args", []))
+            args = engine_args + model_args
+            host = _flag_value(args, "--host")
+            if host is None or _is_loopback(host):
+                continue
+            where = f"models[{i}].serve_args" if _flag_value(model_args, "--host") else f"engines[{j}].serve_args"
+            _check_remote(where, host, j, engine, args)
+
+
+def _stretched(rope: Any) -> bool:
+    """Whether RoPE parameters stretch the context by a factor.
+
+    The engines disagree on how (vLLM leaves a YaRN model's length as it is, SGLang multiplies it unless the
+    original length is given), so where a factor applies the position check stays out of it.
+    """
+    if not isinstance(rope, Mapping) or not rope:
+        return False
+    if "rope_type" not in rope and "type" not in rope and all(isinstance(v, Mapping) for v in rope.values()):
+        return any(_stretched(v) for v in rope.values())  # one set of parameters per layer type
+    factor = rope.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or factor == 1:
+        return False
+    return not (rope.get("rope_type", rope.get("type")) == "llama3" or "original_max_position_embeddings" in rope)
+
+
+def _position_limit(config: Mapping[str, Any], override: Mapping[str, Any]) -> int | None:
+    """The length the engine derives from the checkpoint's config (multimodal: its text_config) and the serve
+    args' override of it; None where it cannot be told."""
+    merged = dict(config)
+    for layer in (config.get("text_config"), override, override.get("text_config")):
+        if isinstance(layer, Mapping):
+            merged.update(layer)
+    limit = merged.get("max_position_embeddings")
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        return None
+    if _stretched(merged.get("rope_scaling")) or _stretched(merged.get("rope_parameters")):
+        return None
+    return limit
+
+
+def _checkpoint_config(i: int, model: Mapping[str, Any], base_dir: Path) -> tuple[dict[str, Any] | None, str]:
+    """The model's config.json (None while the checkpoint is not there yet) and where it was read."""
+    if model.get("generate"):
+        return {"max_position_embeddings": GENERATED_MAX_POSITIONS}, "the generated checkpoint's shape"
+    path = Path(model["path"])
+    config_file = (path if path.is_absolute() else base_dir / path) / "config.json"
+    if not config_file.is_file():
+        return None, ""
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"config: models[{i}].path {model['path']!r}: config.json cannot be read ({err})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"config: models[{i}].path {model['path']!r}: config.json does not hold an object")
+    return config, f"{model['path']}/config.json"
+
+
+def _config_override(i: int, j: int, model: Mapping[str, Any], engine: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The serve args' override of the checkpoint's config as a mapping; None where it cannot be read here."""
+    flag = CONFIG_OVERRIDE_FLAGS[engine["kind"]]
+    engine_args, model_args = list(engine.get("serve_args", [])), list(model.get("serve_args", []))
+    if any(arg.startswith(f"{flag}.") for arg in engine_args + model_args):
+        return None  # vLLM's dotted form sets single keys; not worth parsing to keep the check out
+    value = _flag_value(engine_args + model_args, flag)
+    if value is None:
+        return {}
+    where = f"models[{i}].serve_args" if _flag_value(model_args, flag) is not None else f"engines[{j}].serve_args"
+    try:
+        override = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"config: {where} {flag} is not JSON ({err}): {value!r}") from None
+    if not isinstance(override, dict):
+        raise ConfigError(f"config: {where} {flag} must be a JSON object (got {value!r})")
+    return override
+
+
+def _check_positions(models: list[Mapping[str, Any]], engines: list[Mapping[str, Any]], base_dir: Path) -> None:
+    """max_model_len within the checkpoint's own length, which each engine checks only once its server starts."""
+    for i, model in enumerate(models):
+        config, source = _checkpoint_config(i, model, base_dir)
+        if config is None:
+            continue
+        for j, engine in enumerate(engines):
+            allow = ALLOW_LONGER_ENV[engine["kind"]]
+            if str(engine.get("env", {}).get(allow, "")).strip().lower() in ("1", "true"):
+                continue
+            override = _config_override(i, j, model, engine)
+            limit = None if override is None else _position_limit(config, override)
+            if limit is not None and model["max_model_len"] > limit:
+                raise ConfigError(
+                    f"config: models[{i}].max_model_len = {model['max_model_len']} is above the model's "
+                    f"max_position_embeddings = {limit} ({source}), which engines[{j}] {engine['name']!r} refuses at "
+                    f'start-up; lower it, or set {allow}: "1" in engines[{j}].env to serve beyond the model\'s length'
+                )
+
+
 def _semantic_checks(raw: Mapping[str, Any], base_dir: Path) -> None:
     _check_models(raw["models"], base_dir)
     _check_engines(raw["engines"])
     for i, arm in enumerate(raw["arms"]):
         _check_arm(i, arm)
     _check_protocol(raw["protocol"], raw["models"])
+    _check_warmup(raw["protocol"], raw["models"])
+    _check_ring(raw["arms"], raw["engines"])
+    _check_binds(raw["engines"], raw["models"])
+    _check_positions(raw["models"], raw["engines"], base_dir)
+
+
+def study_warnings(study: Study) -> list[str]:
+    """What is valid but most likely not meant, one line each (``wmtp check-config`` prints them too)."""
+    out: list[str] = []
+    longest, output = max(study.protocol.rungs), study.protocol.output_tokens
+    for i, arm in enumerate(study.arms):
+        if arm.name not in WINDOWED_ARMS:
+            continue
+        for a, sink in enumerate(arm.sink):
+            for b, window in enumerate(arm.window):
+                if sink + window >= longest + output:
+                    out.append(
+                        f"config: arms[{i}].sink[{a}] = {sink} plus arms[{i}].window[{b}] = {window} covers the "
+                        f"longest rung {longest} plus {output} output tokens: the draft drops nothing, so arm "
+                        f"{arm.name!r} measures the same as 'mtp'; use a window below {longest + output - sink}"
+                    )
+    return out
 
 
 def study_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".") -> Study:
@@ -359,11 +576,30 @@ def study_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".") -> Study
     if not isinstance(protocol["repeats"], list):
         protocol["repeats"] = [protocol["repeats"]] * len(protocol["rungs"])
     raw["protocol"] = protocol
-    return Study.model_validate(raw)
+    study = Study.model_validate(raw)
+    for warning in study_warnings(study):
+        log.warning("%s", warning)
+    return study
+
+
+def _yaml_error(path: Path, err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None)
+    where = f"{path} line {mark.line + 1}" if mark is not None else str(path)
+    parts = [getattr(err, "context", None), getattr(err, "problem", None)]
+    detail = "; ".join(p for p in parts if p) or str(err)
+    return f"config: {where}: {' '.join(detail.split())}"
 
 
 def load_study(path: Path | str, overrides: Mapping[str, Any] | None = None, base_dir: Path | str = ".") -> Study:
-    raw = yaml.safe_load(Path(path).read_text())
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config: study file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(_yaml_error(path, err)) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config: study file {path} cannot be read ({err})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config: {path} does not hold a mapping")
     raw.update(overrides or {})

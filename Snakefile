@@ -4,10 +4,15 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# A study file is the whole truth: the embedded default applies only when no --configfile names a study,
+# so another study never inherits its keys (Snakemake would merge them key by key).
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
 
 
 include: "rules/common.smk"
+include: "rules/study.smk"
 include: "rules/models.smk"
 include: "rules/engines.smk"
 include: "rules/cells.smk"

@@ -17,7 +17,9 @@ rule cell:
         LOGS / "cells" / "{cell}.log",
     params:
         py=PY,
-        config=RESOLVED_CONFIG,
+        # The study narrowed to this cell and the identity of its inputs: a change reruns exactly this cell.
+        study=lambda wc: cell_study_json(wc.cell),
+        identity=lambda wc: cell_identity_hash(wc.cell),
         engine_hash=lambda wc: engine_hash(CELLS[wc.cell].engine),
         model_dir=lambda wc: STUDY.model_dir(CELLS[wc.cell].model),
         out=lambda wc: cell_dir(wc.cell),
@@ -26,5 +28,6 @@ rule cell:
     conda:
         "../envs/pipeline.yaml"
     shell:
-        "{params.py} -m wmtp --log {log} cell --config {params.config} --cell {wildcards.cell} "
-        "--engine-manifest {input.engine} --model-dir {params.model_dir} --out {params.out}"
+        "{params.py} -m wmtp --log {log:q} cell --study-json {params.study:q} --cell {wildcards.cell:q} "
+        "--engine-manifest {input.engine:q} --model-dir {params.model_dir:q} --out {params.out:q} "
+        "--identity {params.identity:q}"

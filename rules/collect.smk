@@ -15,4 +15,4 @@ rule collect:
     conda:
         "../envs/pipeline.yaml"
     shell:
-        "{params.py} -m wmtp --log {log} collect --out {params.out} {input}"
+        "{params.py} -m wmtp --log {log:q} collect --out {params.out:q} {input:q}"

@@ -9,7 +9,8 @@ from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
 from wmtp import layout
-from wmtp.config import ConfigError, study_from_dict
+from wmtp.config import ConfigError, resolved_study_json, study_from_dict
+from wmtp.measure.identity import cell_identity, cell_study, identity_hash
 from wmtp.engines.build import engine_python, spec_hash
 
 
@@ -35,10 +36,9 @@ LOGS = RESULTS / layout.LOGS_DIR
 # Where a cell's raw files go; the {cell} wildcard stands for the cell id.
 RAW_CELL = layout.cell_dir(RESULTS, "{cell}")
 RESOLVED_CONFIG = layout.study_file(RESULTS)
-_resolved = json.dumps(STUDY.model_dump(mode="json", exclude_none=True), indent=2, sort_keys=True)
-if not RESOLVED_CONFIG.exists() or RESOLVED_CONFIG.read_text() != _resolved:
-    RESOLVED_CONFIG.parent.mkdir(parents=True, exist_ok=True)
-    RESOLVED_CONFIG.write_text(_resolved)
+# Rule `study` writes it, never the parse; a dry run or a second invocation must not change what a
+# running workflow reads.
+STUDY_JSON = resolved_study_json(STUDY)
 
 
 wildcard_constraints:
@@ -54,6 +54,15 @@ def engine_manifest(engine_name):
 def engine_input(engine_name):
     """An engine as a job input: rebuilt only when its spec changes (see engine_hash), not on a re-check."""
     return ancient(engine_manifest(engine_name))
+
+
+def cell_identity_hash(cell_id):
+    """Everything the cell's measurements depend on, as a hash: a change reruns exactly this cell."""
+    return identity_hash(cell_identity(STUDY, CELLS[cell_id], base_dir=Path.cwd()))
+
+
+def cell_study_json(cell_id):
+    return json.dumps(cell_study(STUDY, CELLS[cell_id]), sort_keys=True)
 
 
 def engine_hash(engine_name):
@@ -98,4 +107,4 @@ def tidy_tables():
 
 
 def all_targets():
-    return [layout.report_file(RESULTS)]
+    return [layout.report_file(RESULTS), RESOLVED_CONFIG]

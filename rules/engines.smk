@@ -8,10 +8,11 @@ rule engine:
         ENGINES / "{engine}" / "build.snakemake.log",
     params:
         py=PY,
-        config=RESOLVED_CONFIG,
+        # The engine's spec alone: another change to the study leaves a built engine alone.
+        spec=lambda wc: STUDY.engine(wc.engine).model_dump_json(),
     localrule: True
     conda:
         "../envs/pipeline.yaml"
     shell:
-        "{params.py} -m wmtp --log {log} engine-build --config {params.config} "
-        "--engine {wildcards.engine} --out {output}"
+        "{params.py} -m wmtp --log {log:q} engine-build "
+        "--engine {wildcards.engine:q} --engine-json {params.spec:q} --out {output:q}"

@@ -21,7 +21,7 @@ rule tiny_model:
     conda:
         "../envs/pipeline.yaml"
     shell:
-        "{params.python} -m wmtp.model.tiny --out {params.out} --seed {params.seed} > {log} 2>&1"
+        "{params.python:q} -m wmtp.model.tiny --out {params.out:q} --seed {params.seed:q} > {log:q} 2>&1"
 
 
 # Copies and hash-checks the committed checkpoint: seconds of work, so never a batch job.
@@ -46,7 +46,7 @@ rule trained_model:
     conda:
         "../envs/pipeline.yaml"
     shell:
-        "{params.py} -m wmtp.model.train install --fixture {params.fixture} --out {params.out} --seed {params.seed} > {log} 2>&1"
+        "{params.py} -m wmtp.model.train install --fixture {params.fixture:q} --out {params.out:q} --seed {params.seed:q} > {log:q} 2>&1"
 
 
 # Retrains the committed checkpoint from scratch on this CPU (about 15 min on two cores); not part of
@@ -70,4 +70,4 @@ rule train_tiny:
     conda:
         "../envs/pipeline.yaml"
     shell:
-        "nice -n 10 {params.python} -m wmtp.model.train train --out {params.out} --seed {params.seed} > {log} 2>&1"
+        "nice -n 10 {params.python:q} -m wmtp.model.train train --out {params.out:q} --seed {params.seed:q} > {log:q} 2>&1"

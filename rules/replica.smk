@@ -37,8 +37,8 @@ rule replica:
     conda:
         "../envs/replica.yaml"
     shell:
-        "{params.py} -m wmtp.replica.replica sweep --models {input} --contexts {params.contexts} --ks {params.ks}"
-        " --sink {params.sink} --window {params.window} --reps {params.reps} --out {params.out} > {log} 2>&1"
+        "{params.py} -m wmtp.replica.replica sweep --models {input:q} --contexts {params.contexts:q} --ks {params.ks:q}"
+        " --sink {params.sink:q} --window {params.window:q} --reps {params.reps:q} --out {params.out:q} > {log:q} 2>&1"
 
 
 rule replica_tidy:
@@ -53,10 +53,10 @@ rule replica_tidy:
     params:
         py=PY,
         raw=REPLICA_RAW,
-        bandwidth=f"--bandwidth {REPLICA.bandwidth}" if REPLICA.bandwidth is not None else "",
+        bandwidth=["--bandwidth", str(REPLICA.bandwidth)] if REPLICA.bandwidth is not None else [],
     localrule: True
     conda:
         "../envs/pipeline.yaml"
     shell:
-        "{params.py} -m wmtp.replica.replica tidy --raw {params.raw} --models-dir config/models {params.bandwidth}"
-        " --out {output} > {log} 2>&1"
+        "{params.py} -m wmtp.replica.replica tidy --raw {params.raw:q} --models-dir config/models {params.bandwidth:q}"
+        " --out {output:q} > {log:q} 2>&1"

@@ -19,5 +19,5 @@ rule report:
     conda:
         "../envs/pipeline.yaml"
     shell:
-        "{params.py} -m wmtp --log {log} report --study {params.study} --tidy {params.tidy} --out {params.out} "
-        "--replica {input.replica}"
+        "{params.py} -m wmtp --log {log:q} report --study {params.study:q} --tidy {params.tidy:q} --out {params.out:q} "
+        "--replica {input.replica:q}"

@@ -73,7 +73,7 @@ def test_paper_1m_dry_run(tmp_path):
     counts = _job_counts(proc.stdout)
     # 3 models × (mtp: 3 k + wmtp: 3 k × 1 sink × 1 window) × 2 concurrencies.
     assert counts["cell"] == 36 and counts["engine"] == 1 and counts["report"] == 1
-    assert "--speculative" not in proc.stdout  # argv is built when a cell runs, not in the DAG
+    assert "--speculative-algorithm" not in proc.stdout  # the server argv is built when a cell runs, not in the DAG
 
 
 def _big_matrix(tmp: Path) -> tuple[Path, int]:

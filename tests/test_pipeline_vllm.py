@@ -1,7 +1,7 @@
 """The embedded study end to end through Snakemake against the real vLLM CPU server.
 
 One module-scoped run does everything the foundation promises and the tests below read its results:
-the engine (reused from WMTP_ENGINES_DIR, built if missing), the trained tiny model, the none and windowed
+the engine `make engine` builds (tests/conftest.py), the trained tiny model, the none and windowed
 cells on code and copy-task prompts, a server killed mid-rung (failure.json, no success outputs), a
 rerun that redoes only that cell, collect, and the HTML report.
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from conftest import engines_dir
 
 from wmtp.measure.equality import equal_up_to_numerics
 from wmtp.measure.server import group_alive
@@ -27,7 +28,7 @@ from wmtp.measure.server import group_alive
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINES = Path(os.environ.get("WMTP_ENGINES_DIR", REPO / "results" / "engines")).resolve()
+ENGINES = engines_dir()
 RUNGS = [1024, 2048]
 WORKLOADS = ["code", "copy"]
 # The trained tiny model's first divergence of a full draft from none under bf16 was at a top-2 logprob
@@ -64,7 +65,7 @@ def _wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | N
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
+def pipeline(tmp_path_factory, engine_python):
     tmp = tmp_path_factory.mktemp("pipeline")
     raw = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     raw.update(results_dir=str(tmp / "results"), engines_dir=str(ENGINES), models_dir=str(tmp / "models"))

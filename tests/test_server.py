@@ -5,12 +5,23 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 
-from wmtp.measure.server import ServerError, ServerProcess, free_port, group_alive
+import pytest
+
+from wmtp.measure.server import (
+    PortTaken,
+    ServerError,
+    ServerProcess,
+    free_port,
+    group_alive,
+    listening_inodes,
+    socket_owners,
+)
 
 # A "server" that forks a worker (like vLLM's engine core) and answers /health.
 FAKE_SERVER = textwrap.dedent("""
@@ -70,10 +81,65 @@ def test_server_dies_with_a_killed_starter(tmp_path):
     assert group_alive(pid)
     proc.kill()
     proc.wait()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0:
+    # The fake's forked worker has no death signal of its own, like vLLM's engine core: the watchdog ends it.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and group_alive(pid):
         time.sleep(0.2)
-    assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
-    # The fake's forked worker has no death signal of its own (vLLM's engine core watches its parent).
+    left = group_alive(pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
+    assert not left, "a process of the server's group outlived the killed starter by 30 s"
+
+
+STRANGER = textwrap.dedent("""
+    import http.server, sys
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers()
+        def log_message(self, *a): pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+def test_a_stranger_answering_on_the_port_is_not_taken_for_our_server(tmp_path):
+    port = free_port()
+    stranger = subprocess.Popen([sys.executable, "-c", STRANGER, str(port)])
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not listening_inodes(port):
+            time.sleep(0.1)
+        # Ours never binds: it sleeps, as a slow-starting engine would, while the stranger answers 200.
+        server = ServerProcess(
+            [sys.executable, "-c", "import time; time.sleep(60)"], {}, tmp_path / "s.log", f"http://127.0.0.1:{port}"
+        )
+        with server, pytest.raises(ServerError, match=f"belongs to pid {stranger.pid}"):
+            server.wait_healthy(timeout_s=20)
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_our_own_server_owns_its_port(tmp_path):
+    port = free_port()
+    server = ServerProcess(
+        [sys.executable, "-c", FAKE_SERVER, str(port)], {}, tmp_path / "s.log", f"http://127.0.0.1:{port}"
+    )
+    with server:
+        server.wait_healthy(timeout_s=30)
+        owners = socket_owners(listening_inodes(port))
+        assert set(owners.values()) == {server.pid}
+
+
+def test_a_port_taken_before_the_bind_is_told_apart(tmp_path):
+    port = free_port()
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    try:
+        server = ServerProcess(
+            [sys.executable, "-c", FAKE_SERVER, str(port)], {}, tmp_path / "s.log", f"http://127.0.0.1:{port}"
+        )
+        with server, pytest.raises(PortTaken):
+            server.wait_healthy(timeout_s=30)
+    finally:
+        holder.close()

@@ -3,7 +3,7 @@ shipped slurm profile: the tiny model and the cell become sbatch jobs, the cell 
 CUDA_VISIBLE_DEVICES, the raw files appear, and the localrules (engine, collect, report) run here.
 
 A small matrix keeps it to a few minutes on a 2-core box: one arm (mtp), one rung, one repeat, a few output
-tokens; the engine is reused from WMTP_ENGINES_DIR (results/engines), results go to tmp. In CI (CI=true)
+tokens; the engine is the one `make engine` builds (tests/conftest.py), results go to tmp. In CI (CI=true)
 a SLURM that is not up is a failure, not a skip; elsewhere the test starts it with the script when it can.
 """
 
@@ -21,11 +21,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from conftest import engines_dir
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINES = Path(os.environ.get("WMTP_ENGINES_DIR", REPO / "results" / "engines")).resolve()
+ENGINES = engines_dir()
 UP_SCRIPT = REPO / "scripts" / "ci" / "slurm-up.sh"
 CELL = "model~tiny/engine~vllm-cpu/arm~mtp/k~3/c~1"
 RUNG = 256
@@ -100,7 +101,7 @@ def _ci_profile(tmp: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def slurm_run(slurm, tmp_path_factory):
+def slurm_run(slurm, tmp_path_factory, engine_python):
     tmp = tmp_path_factory.mktemp("slurm")
     raw = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     raw.update(

@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from wmtp.config import Cell, ConfigError, Study, load_study, study_warnings
+from wmtp.config import Cell, ConfigError, EngineSpec, Study, load_study, study_from_dict, study_warnings
 from wmtp.layout import REPO_ROOT
 
 
@@ -24,6 +24,8 @@ def _setup_logging(log_file: Path | None) -> None:
 
 
 def _study(args: argparse.Namespace) -> Study:
+    if getattr(args, "study_json", None):  # what a rule hands its job: the study as one JSON object
+        return study_from_dict(json.loads(args.study_json), base_dir=Path.cwd())
     overrides = json.loads(args.overrides) if getattr(args, "overrides", None) else None
     return load_study(args.config, overrides=overrides, base_dir=Path.cwd())
 
@@ -48,8 +50,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_engine_build(args: argparse.Namespace) -> int:
     from wmtp.engines.build import build_engine
 
-    study = _study(args)
-    spec = study.engine(args.engine)
+    # The engine rule passes the spec alone, so that no other change to the study rebuilds it.
+    spec = EngineSpec.model_validate_json(args.engine_json) if args.engine_json else _study(args).engine(args.engine)
     build_engine(spec, Path(args.out).parent if args.out.endswith(".json") else Path(args.out), force=args.force)
     return 0
 
@@ -70,16 +72,32 @@ def cmd_cell_run(args: argparse.Namespace) -> int:
         model_dir=Path(args.model_dir),
         gpu_index=args.gpu,
         cache_dir=Path(args.engine_manifest).resolve().parent / "cache",
+        expected_identity=args.identity,
     )
     run_cell(run)
     return 0
 
 
+def cmd_write_study(args: argparse.Namespace) -> int:
+    from wmtp.config import resolved_study_json, study_from_dict
+
+    study = study_from_dict(json.loads(args.study_json), base_dir=Path.cwd())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(resolved_study_json(study))
+    tmp.replace(args.out)
+    return 0
+
+
 def cmd_collect(args: argparse.Namespace) -> int:
-    from wmtp.analyze.tidy import collect
+    from wmtp.analyze.tidy import MixedProtocols, collect
 
     manifests = [Path(p) for p in args.manifests]
-    collect([m.parent for m in manifests], Path(args.out))
+    try:
+        collect([m.parent for m in manifests], Path(args.out))
+    except MixedProtocols as err:
+        logging.getLogger("wmtp").error("%s", err)
+        return 2
     return 0
 
 
@@ -97,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     def with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         p.add_argument("--config", default=str(REPO_ROOT / "config" / "config.yaml"), help="study file")
         p.add_argument("--overrides", help="JSON object merged over the study file (as snakemake --config)")
+        p.add_argument("--study-json", help="the study as one JSON object, instead of --config")
         return p
 
     p = with_config(sub.add_parser("check-config", help="validate a study and list its cells"))
@@ -104,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = with_config(sub.add_parser("engine-build", help="build or adopt an engine environment"))
     p.add_argument("--engine", required=True)
+    p.add_argument("--engine-json", help="the engine's spec as one JSON object, instead of the study's entry")
     p.add_argument("--out", required=True, help="the engine's manifest.json (its folder holds the venv)")
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_engine_build)
@@ -114,7 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", required=True)
     p.add_argument("--out", required=True, help="the cell's raw directory")
     p.add_argument("--gpu", type=int, default=None, help="GPU index to measure (default: CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--identity", help="the identity hash the workflow planned this cell with; refuse another")
     p.set_defaults(func=cmd_cell_run)
+
+    p = sub.add_parser("write-study", help="validate a resolved study (JSON) and write it, as the rules read it")
+    p.add_argument("--study-json", required=True, help="the study as one JSON object")
+    p.add_argument("--out", required=True, type=Path)
+    p.set_defaults(func=cmd_write_study)
 
     p = sub.add_parser("collect", help="raw cells → tidy parquet tables")
     p.add_argument("--out", required=True)

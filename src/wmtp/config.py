@@ -567,6 +567,11 @@ def study_warnings(study: Study) -> list[str]:
     return out
 
 
+def resolved_study_json(study: Study) -> str:
+    """The validated study as the rules write it to study.json and the ``wmtp`` command reads it back."""
+    return json.dumps(study.model_dump(mode="json", exclude_none=True), indent=2, sort_keys=True)
+
+
 def study_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".") -> Study:
     """Validate a study mapping (as Snakemake's ``config``) and return it typed."""
     raw = dict(raw)

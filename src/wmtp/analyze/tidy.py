@@ -137,6 +137,30 @@ def position_table(rungs: pd.DataFrame, deltas_by_cell: dict[str, pd.DataFrame])
     return pd.DataFrame(rows, columns=columns)
 
 
+class MixedProtocols(ValueError):
+    pass
+
+
+def check_one_protocol(manifests: dict[str, dict]) -> None:
+    """Refuse cells measured under different protocols (rungs, repeats, output length, workloads …).
+
+    ``manifests`` maps a cell's folder to its manifest. Cells recorded before protocols were recorded carry
+    none and are not compared.
+    """
+    protocols = {cell: m["identity"]["protocol"] for cell, m in manifests.items() if "identity" in m}
+    if len(protocols) < 2:
+        return
+    (first, reference), *others = sorted(protocols.items())
+    for cell, protocol in others:
+        differing = sorted(k for k in set(reference) | set(protocol) if reference.get(k) != protocol.get(k))
+        if differing:
+            detail = "; ".join(f"{k}: {reference.get(k)!r} vs {protocol.get(k)!r}" for k in differing)
+            raise MixedProtocols(
+                f"collect: {first} and {cell} were measured under different protocols ({detail}); rerun the "
+                "stale cells (snakemake reruns them when the study changed) or collect them separately"
+            )
+
+
 def collect(cell_dirs: list[Path], out_dir: Path) -> dict[str, pd.DataFrame]:
     """Read every complete cell and write requests/rungs/positions parquet files into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -144,6 +168,8 @@ def collect(cell_dirs: list[Path], out_dir: Path) -> dict[str, pd.DataFrame]:
     for cell_dir in cell_dirs:
         if not (cell_dir / MANIFEST_FILE).exists():
             raise FileNotFoundError(f"{cell_dir} has no {MANIFEST_FILE}: the cell did not complete")
+    check_one_protocol({str(d): json.loads((d / MANIFEST_FILE).read_text()) for d in cell_dirs})
+    for cell_dir in cell_dirs:
         req = request_table(cell_dir)
         deltas = counter_deltas(cell_dir)
         deltas_by_cell[req["cell_id"].iloc[0]] = deltas

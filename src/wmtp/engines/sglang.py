@@ -109,7 +109,7 @@ def speculative_args(
         raise RingNotBuilt(
             "arm 'wmtp-ring' on SGLang is not built yet: upstream SGLang windows the draft's "
             "reads (--speculative-draft-window-size) but has no compact ring buffer for the draft "
-            "KV; run 'wmtp' on SGLang, or 'wmtp-ring' on a vLLM engine (the wmtp plugin)"
+            "KV (and the vLLM plugin has none yet either); run arm 'wmtp'"
         )
     if arm not in ("mtp", "wmtp"):
         raise SGLangError(f"unknown arm {arm!r}")

@@ -7,6 +7,7 @@ outputs, so a rerun redoes exactly that cell.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,8 +31,10 @@ from wmtp.engines import EngineAdapter, ServeRequest, adapter
 from wmtp.layout import REPO_ROOT
 from wmtp.measure.client import Completion, complete
 from wmtp.measure.counters import delta
+from wmtp.measure.identity import cell_identity, check_identity, identity_hash
+from wmtp.measure.lock import device_key, device_lock
 from wmtp.measure.power import EnergyWindow, PowerMeter, open_meter
-from wmtp.measure.server import ServerProcess, free_port
+from wmtp.measure.server import PortTaken, ServerProcess, free_port
 from wmtp.measure.workload import PromptFactory, workload_prompt
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,8 @@ class CellRun:
     model_dir: Path
     gpu_index: int | None = None
     cache_dir: Path | None = None
+    # The identity hash the workflow planned this cell with (None: do not check).
+    expected_identity: str | None = None
     rows: list[dict[str, Any]] = field(default_factory=list)
     counter_rows: list[dict[str, Any]] = field(default_factory=list)
     windows: list[EnergyWindow] = field(default_factory=list)
@@ -313,32 +318,91 @@ def _write_parquet(rows: list[dict[str, Any]], path: Path, columns: list[str] | 
     frame.to_parquet(path, index=False)
 
 
-def run_cell(run: CellRun) -> Path:
-    """Run the cell; on success the raw files are in ``run.out_dir``. Raises on failure."""
-    out_dir = run.out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name in (*layout.RAW_SUCCESS_FILES, layout.FAILURE_FILE, layout.SERVER_FAILED_LOG):
-        (out_dir / name).unlink(missing_ok=True)
-    staging = out_dir / f".staging-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    # The engine's compile caches are shared by the cells of one engine, outside the raw files.
-    cache_dir = run.cache_dir or (out_dir / ".cache")
-    cache_dir.mkdir(parents=True, exist_ok=True)
+STAGING_PREFIX = ".staging-"
+KEPT_PREFIX = "kept-"
+PORT_ATTEMPTS = 3
+# On SIGTERM/SIGINT the server gets this long to exit before its group is killed: a stopped cell frees its
+# GPU within seconds, not after vLLM's own shutdown.
+INTERRUPT_GRACE_S = 5.0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _holds_measurements(staging: Path) -> bool:
+    return any((staging / name).exists() for name in (layout.MANIFEST_FILE, layout.REQUESTS_FILE))
+
+
+def recover_staging(out_dir: Path, identity_hash_now: str) -> bool:
+    """Deal with staging folders of dead cell processes; True if one held this very cell, complete.
+
+    A complete staging (its manifest written, moving it into place failed or the process died just then)
+    of the same identity is moved into place instead of measuring again; other finished measurements are
+    kept aside as ``kept-<pid>/``; a staging of an interrupted run holds nothing finished and is removed.
+    """
+    adopted = False
+    for staging in sorted(out_dir.glob(STAGING_PREFIX + "*")):
+        pid = staging.name[len(STAGING_PREFIX) :]
+        if pid.isdigit() and _pid_alive(int(pid)) and int(pid) != os.getpid():
+            continue  # another live process's: never touch it
+        manifest_file = staging / layout.MANIFEST_FILE
+        if not adopted and manifest_file.exists():
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads(manifest_file.read_text()).get("identity_hash") == identity_hash_now and all(
+                    (staging / name).exists() for name in layout.RAW_SUCCESS_FILES
+                ):
+                    for name in layout.RAW_SUCCESS_FILES:  # manifest last
+                        os.replace(staging / name, out_dir / name)
+                    shutil.rmtree(staging, ignore_errors=True)
+                    log.info("adopted the complete measurements of an earlier run from %s", staging)
+                    adopted = True
+                    continue
+        if _holds_measurements(staging):
+            kept = out_dir / f"{KEPT_PREFIX}{pid}"
+            os.replace(staging, kept)
+            log.warning("kept the measurements of an earlier, unfinished run in %s", kept)
+        else:
+            shutil.rmtree(staging, ignore_errors=True)
+    return adopted
+
+
+def _record_failure(out_dir: Path, staging: Path, failure: dict[str, Any]) -> None:
+    """failure.json in the cell's folder; where that cannot be written, in the staging folder; and a log line."""
+    text = json.dumps(failure, indent=2, default=str)
+    try:
+        (out_dir / layout.FAILURE_FILE).write_text(text)
+        return
+    except OSError as err:
+        reason = err
+    try:
+        (staging / layout.FAILURE_FILE).write_text(text)
+        log.error(
+            "cannot write %s (%s); the failure record and any measurements are in %s",
+            out_dir / layout.FAILURE_FILE,
+            reason,
+            staging,
+        )
+    except OSError as err:
+        log.error("cannot write a failure record in %s (%s) nor in %s (%s)", out_dir, reason, staging, err)
+
+
+def _build_server(run: CellRun, engine: EngineAdapter, staging: Path, cache_dir: Path, short_tmp: Path):
+    """The server process for this cell on a fresh port; its argv and env, and the container's stop command."""
     cell, study = run.cell, run.study
-    spec = study.engine(cell.engine)
-    model = study.model(cell.model)
+    spec, model = study.engine(cell.engine), study.model(cell.model)
     port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    served = cell.model
-    python = run.engine_manifest["python"]
-    engine = adapter(spec.kind)
-    engine.check_cell(spec, run.engine_manifest, cell, [*spec.serve_args, *model.serve_args])
     argv = engine.serve_argv(
         ServeRequest(
-            python=python,
+            python=run.engine_manifest["python"],
             model_dir=run.model_dir,
-            served_name=served,
+            served_name=cell.model,
             port=port,
             max_model_len=model.max_model_len,
             arm=cell.arm,
@@ -349,7 +413,6 @@ def run_cell(run: CellRun) -> Path:
             model_args=tuple(model.serve_args),
         )
     )
-    short_tmp = Path(tempfile.mkdtemp(prefix="wmtp-"))
     env = engine.server_env(spec.env, cache_dir.resolve(), short_tmp)
     container_stop: list[str] | None = None
     if spec.source == "container":
@@ -364,23 +427,102 @@ def run_cell(run: CellRun) -> Path:
         argv,
         env,
         staging / layout.SERVER_LOG,
-        base_url,
+        f"http://127.0.0.1:{port}",
         engine.health_path,
         make_dirs=[env[k] for k in ("TMPDIR", *engine.cache_env) if k in env],
+        verify_owner=spec.source != "container",
     )
+    return server, container_stop
+
+
+def _start_server(run: CellRun, engine: EngineAdapter, staging: Path, cache_dir: Path, short_tmp: Path, manifest):
+    """Start the server and wait until it is healthy and proven ours; a port lost to a race is retried."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        server, container_stop = _build_server(run, engine, staging, cache_dir, short_tmp)
+        log.info("cell %s: starting %s on port %d", run.cell.cell_id, run.cell.engine, server.port)
+        server.start()
+        manifest.update(argv=server.argv, env=server.env, server_pid=server.pid, port=server.port)
+        log.info("server pid %d (process group %d)", server.pid, server.pid)
+        try:
+            healthy_s = server.wait_healthy(run.study.protocol.health_timeout_s)
+        except PortTaken:
+            server.stop()
+            if container_stop:
+                subprocess.run(container_stop, capture_output=True, check=False, timeout=60)
+            if attempt == PORT_ATTEMPTS:
+                raise
+            log.warning("port %d was taken before the server bound it; retrying on another", server.port)
+            continue
+        except BaseException:
+            server.stop(grace_s=INTERRUPT_GRACE_S)
+            if container_stop:
+                subprocess.run(container_stop, capture_output=True, check=False, timeout=60)
+            raise
+        manifest["server_ready_s"] = round(healthy_s, 1)
+        log.info("server healthy after %.0f s", healthy_s)
+        return server, container_stop
+    raise AssertionError("unreachable")
+
+
+def _fail(out_dir: Path, staging: Path, cell_id: str, err: BaseException, manifest: dict, finished: bool) -> bool:
+    """Record a failed cell; returns whether the staging folder must stay (it holds finished measurements)."""
+    keep = finished or _holds_measurements(staging)
+    if keep:  # a move into place failed half-way: gather the finished files back in one folder
+        for name in layout.RAW_SUCCESS_FILES:
+            with contextlib.suppress(OSError):
+                if (out_dir / name).exists() and not (staging / name).exists():
+                    os.replace(out_dir / name, staging / name)
+    failure = {
+        "cell_id": cell_id,
+        "error": type(err).__name__,
+        "message": str(err),
+        "traceback": traceback.format_exc(),
+        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "server_log": str(out_dir / layout.SERVER_FAILED_LOG),
+        "measurements_kept_in": str(staging) if keep else None,
+        "manifest": manifest,
+    }
+    with contextlib.suppress(OSError):
+        if (staging / layout.SERVER_LOG).exists() and not keep:
+            os.replace(staging / layout.SERVER_LOG, out_dir / layout.SERVER_FAILED_LOG)
+    _record_failure(out_dir, staging, failure)
+    log.error("cell %s failed: %s: %s (details in %s)", cell_id, type(err).__name__, err, out_dir / layout.FAILURE_FILE)
+    return keep
+
+
+def run_cell(run: CellRun) -> Path:
+    """Run the cell; on success the raw files are in ``run.out_dir``. Raises on failure."""
+    out_dir = run.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cell, study = run.cell, run.study
+    identity = cell_identity(study, cell)
+    check_identity(run.expected_identity, identity)
+    if recover_staging(out_dir, identity_hash(identity)):
+        return out_dir
+    for name in (*layout.RAW_SUCCESS_FILES, layout.FAILURE_FILE, layout.SERVER_FAILED_LOG):
+        (out_dir / name).unlink(missing_ok=True)
+    staging = out_dir / f"{STAGING_PREFIX}{os.getpid()}"
+    staging.mkdir()
+    # The engine's compile caches are shared by the cells of one engine, outside the raw files.
+    cache_dir = run.cache_dir or (out_dir / ".cache")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    spec = study.engine(cell.engine)
+    engine = adapter(spec.kind)
+    engine.check_cell(spec, run.engine_manifest, cell, [*spec.serve_args, *study.model(cell.model).serve_args])
+    short_tmp = Path(tempfile.mkdtemp(prefix="wmtp-"))
     meter = open_meter(run.gpu_index)
     manifest: dict[str, Any] = {
         "cell": cell.model_dump(mode="json"),
         "cell_id": cell.cell_id,
         "study": study.study,
         "config_hash": study.config_hash(),
+        "identity": identity,
+        "identity_hash": identity_hash(identity),
         "wmtp_revision": git_revision(),
         "engine": {
             k: run.engine_manifest.get(k) for k in ("engine", "kind", "source", "python", "versions", "spec_hash")
         },
         "model_dir": str(run.model_dir),
-        "argv": argv,
-        "env": env,
         "host": platform.node(),
         "gpu_at_start": meter.info(),
         "power_status": meter.status,
@@ -390,26 +532,24 @@ def run_cell(run: CellRun) -> Path:
     def on_signal(signum, _frame):
         raise Interrupted(f"received signal {signum}")
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
     started = time.monotonic()
+    server: ServerProcess | None = None
+    container_stop: list[str] | None = None
+    keep_staging = False
     try:
-        factory = PromptFactory(run.model_dir / "tokenizer.json")
-        manifest["corpus_digest"] = factory.corpus.digest
-        with meter.sampling(hz=10.0):
-            if study.protocol.idle_baseline_s > 0 and meter.available:
-                log.info("idle baseline: %.0f s", study.protocol.idle_baseline_s)
-                meter.begin_window("idle")
-                time.sleep(study.protocol.idle_baseline_s)
-                run.windows.append(meter.end_window("idle"))
-            log.info("cell %s: starting %s on port %d", cell.cell_id, spec.name, port)
-            server.start()
-            manifest["server_pid"] = server.pid
-            log.info("server pid %d (process group %d)", server.pid, server.pid)
-            healthy_s = server.wait_healthy(study.protocol.health_timeout_s)
-            manifest["server_ready_s"] = round(healthy_s, 1)
-            log.info("server healthy after %.0f s", healthy_s)
-            _sweep(run, meter, base_url, served, factory, engine)
-        manifest["exit_status"] = server.stop()
+        with device_lock(device_key(spec.device, run.gpu_index)):
+            factory = PromptFactory(run.model_dir / "tokenizer.json")
+            manifest["corpus_digest"] = factory.corpus.digest
+            with meter.sampling(hz=10.0):
+                if study.protocol.idle_baseline_s > 0 and meter.available:
+                    log.info("idle baseline: %.0f s", study.protocol.idle_baseline_s)
+                    meter.begin_window("idle")
+                    time.sleep(study.protocol.idle_baseline_s)
+                    run.windows.append(meter.end_window("idle"))
+                server, container_stop = _start_server(run, engine, staging, cache_dir, short_tmp, manifest)
+                _sweep(run, meter, server.base_url, cell.model, factory, engine)
+            manifest["exit_status"] = server.stop()
         manifest["gpu_at_end"] = meter.info()
         manifest["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         manifest["duration_s"] = round(time.monotonic() - started, 1)
@@ -422,37 +562,24 @@ def run_cell(run: CellRun) -> Path:
         )
         _write_parquet(meter.samples(), staging / layout.POWER_FILE, columns=["t_s", "power_w"])
         (staging / layout.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, default=str))
+        keep_staging = True  # from here on the staging folder holds a finished measurement
         for name in layout.RAW_SUCCESS_FILES:  # manifest.json last: its presence means the cell is complete
             os.replace(staging / name, out_dir / name)
+        keep_staging = False
         return out_dir
     except BaseException as err:
-        failure = {
-            "cell_id": cell.cell_id,
-            "error": type(err).__name__,
-            "message": str(err),
-            "traceback": traceback.format_exc(),
-            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "server_log": str(out_dir / layout.SERVER_FAILED_LOG),
-            "manifest": manifest,
-        }
-        server.stop()
-        if (staging / layout.SERVER_LOG).exists():
-            os.replace(staging / layout.SERVER_LOG, out_dir / layout.SERVER_FAILED_LOG)
-        (out_dir / layout.FAILURE_FILE).write_text(json.dumps(failure, indent=2, default=str))
-        log.error(
-            "cell %s failed: %s: %s (details in %s)",
-            cell.cell_id,
-            type(err).__name__,
-            err,
-            out_dir / layout.FAILURE_FILE,
-        )
+        if server is not None:
+            server.stop(grace_s=INTERRUPT_GRACE_S)
+        keep_staging = _fail(out_dir, staging, cell.cell_id, err, manifest, keep_staging)
         raise
     finally:
-        server.stop()
+        if server is not None:
+            server.stop(grace_s=INTERRUPT_GRACE_S)
         if container_stop:
             subprocess.run(container_stop, capture_output=True, check=False, timeout=60)
         meter.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        shutil.rmtree(staging, ignore_errors=True)
+        if not keep_staging:
+            shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(short_tmp, ignore_errors=True)

@@ -1,0 +1,17 @@
+# The validated study as one JSON file, which every `wmtp` job reads. Rewritten when the study changes;
+# the jobs that read it take it as `ancient`, so only the cells whose identity changed rerun.
+
+
+rule study:
+    output:
+        RESOLVED_CONFIG,
+    log:
+        LOGS / "study.log",
+    params:
+        py=PY,
+        study=STUDY_JSON,
+    localrule: True
+    conda:
+        "../envs/pipeline.yaml"
+    shell:
+        "{params.py} -m wmtp --log {log:q} write-study --out {output:q} --study-json {params.study:q}"

@@ -1,0 +1,94 @@
+"""What a cell's measurements depend on, as one hash: change any of it and exactly that cell reruns.
+
+A cell's identity is the cell itself, the protocol it sweeps (rungs, repeats, output length, workloads,
+warm-up, sampling), its engine (the build's spec hash: packages, environment, serve args) and its model
+(the study's entry and a fingerprint of a local checkpoint's files). The rules hand the hash to the cell
+rule as a parameter, so Snakemake reruns a cell whose identity changed; the cell checks it again against
+the study file it reads and records it in its manifest, and collect refuses to mix protocols.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from wmtp.config import DRAFTING_ARMS, WINDOWED_ARMS, Cell, Study
+from wmtp.engines.build import spec_hash
+
+# Settings that bound how long the pipeline waits, not what it measures.
+NOT_MEASURED = ("health_timeout_s", "request_timeout_s")
+# Files up to this size are hashed by content (configs, tokenizers); larger ones (weights) by name and size.
+CONTENT_HASH_MAX_BYTES = 4 * 1024 * 1024
+
+
+class IdentityMismatch(RuntimeError):
+    pass
+
+
+def protocol_identity(study: Study) -> dict[str, Any]:
+    protocol = study.protocol.model_dump(mode="json")
+    return {key: value for key, value in sorted(protocol.items()) if key not in NOT_MEASURED}
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Content hash of a checkpoint's small files plus the names and sizes of its large ones."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        size = path.stat().st_size
+        digest.update(f"{path.relative_to(model_dir)}\0{size}\0".encode())
+        if size <= CONTENT_HASH_MAX_BYTES:
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cell_identity(study: Study, cell: Cell, base_dir: Path | str = ".") -> dict[str, Any]:
+    model = study.model(cell.model)
+    entry = model.model_dump(mode="json")
+    if model.path:
+        # A local checkpoint: its files are part of what is measured. Generated models are rule outputs
+        # that Snakemake tracks itself, and their spec (generator, seed) is in the entry.
+        path = Path(model.path)
+        entry["files"] = model_fingerprint(path if path.is_absolute() else Path(base_dir) / path)
+    return {
+        "cell": cell.model_dump(mode="json", exclude={"study"}),
+        "protocol": protocol_identity(study),
+        "engine": spec_hash(study.engine(cell.engine)),
+        "model": entry,
+    }
+
+
+def identity_hash(identity: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_identity(expected_hash: str | None, identity: dict[str, Any]) -> None:
+    """Refuse a cell whose study file no longer says what the workflow planned it with."""
+    if expected_hash is not None and identity_hash(identity) != expected_hash:
+        raise IdentityMismatch(
+            f"the study file describes this cell as {identity_hash(identity)}, but the workflow planned it as "
+            f"{expected_hash}: the study changed since the run started; run snakemake again"
+        )
+
+
+def cell_study(study: Study, cell: Cell) -> dict[str, Any]:
+    """The study narrowed to one cell: its engine, model, arm setting and concurrency, and the protocol.
+
+    This is what the cell rule hands its job, so that a change elsewhere in the study (another arm, another
+    model) leaves the job's parameters, and so the cell, untouched.
+    """
+    raw = study.model_dump(mode="json", exclude_none=True)
+    arm: dict[str, Any] = {"name": cell.arm}
+    if cell.arm in DRAFTING_ARMS:
+        arm["k"] = [cell.k]
+    if cell.arm in WINDOWED_ARMS:
+        arm.update(sink=[cell.sink], window=[cell.window])
+    raw.update(
+        engines=[e for e in raw["engines"] if e["name"] == cell.engine],
+        models=[m for m in raw["models"] if m["name"] == cell.model],
+        arms=[arm],
+        protocol={**raw["protocol"], "concurrency": [cell.concurrency]},
+    )
+    raw.pop("replica", None)
+    return raw

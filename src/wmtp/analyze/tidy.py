@@ -55,6 +55,65 @@ def request_table(cell_dir: Path) -> pd.DataFrame:
         for c, e in zip(frame["completion_tokens"], frame["energy_decode_j"], strict=True)
     ]
     frame["power_status"] = manifest.get("power_status", "unavailable")
+    _per_request_acceptance(frame)
+    return screen_requests(frame)
+
+
+# A decode step cannot run this many times faster than the engine's own median step at the cell's shortest
+# rung: a faster "window" means the tokens arrived in one burst (a buffered stream), not that they decoded.
+STEP_FLOOR_FACTOR = 5.0
+
+
+def _per_request_acceptance(frame: pd.DataFrame) -> None:
+    """tokPerVerify and acceptance per request, where the cell snapshotted counters around each request."""
+    if "d_drafts" not in frame.columns:
+        return
+    drafting = frame["arm"] != "none"
+    frame["req_tok_per_verify"] = [
+        analysis.tok_per_verify(a, d) if is_drafting else 1.0
+        for a, d, is_drafting in zip(frame["d_accepted"], frame["d_drafts"], drafting, strict=True)
+    ]
+    frame["req_acceptance"] = [
+        analysis.acceptance_rate(a, t) if is_drafting else math.nan
+        for a, t, is_drafting in zip(frame["d_accepted"], frame["d_draft_tokens"], drafting, strict=True)
+    ]
+
+
+def exclusion_reason(completion_tokens: int, decode_s: float, step_floor_s: float, counter_deltas: list[float]) -> str:
+    """Why a request's numbers are physically impossible, or '' when they are not."""
+    if completion_tokens < 2:
+        return "no decode window (fewer than 2 tokens)"
+    if not decode_s > 0:
+        return "zero-length decode window"
+    if decode_s / (completion_tokens - 1) < step_floor_s:
+        return f"decode step {1e3 * decode_s / (completion_tokens - 1):.3g} ms < floor {1e3 * step_floor_s:.3g} ms"
+    if any(d < 0 for d in counter_deltas if not math.isnan(d)):
+        return "a spec-decode counter went backwards"
+    return ""
+
+
+def screen_requests(frame: pd.DataFrame) -> pd.DataFrame:
+    """Flags impossible requests (``excluded``, ``exclusion``) and blanks their derived rates.
+
+    The floor is the engine's own median decode step at the cell's shortest rung (and workload) divided by
+    STEP_FLOOR_FACTOR. Excluded requests stay in the table, so the report can count and list them.
+    """
+    frame = frame.copy()
+    step = frame["decode_s"] / (frame["completion_tokens"] - 1).where(frame["completion_tokens"] > 1)
+    shortest = frame["rung"] == frame["rung"].min()
+    medians = step[shortest & (step > 0)].median()
+    floor = medians / STEP_FLOOR_FACTOR if pd.notna(medians) else 0.0
+    delta_columns = [c for c in frame.columns if str(c).startswith("d_")]
+    frame["exclusion"] = [
+        exclusion_reason(int(c), float(d), floor, [float(row[k]) for k in delta_columns])
+        for c, d, (_, row) in zip(frame["completion_tokens"], frame["decode_s"], frame.iterrows(), strict=True)
+    ]
+    frame["excluded"] = frame["exclusion"] != ""
+    rates = [c for c in ("decode_tok_s", "tok_per_j", "req_tok_per_verify", "req_acceptance") if c in frame.columns]
+    frame.loc[frame["excluded"], rates] = math.nan
+    if frame["excluded"].any():
+        log.warning("excluded %d impossible request(s): %s", frame["excluded"].sum(),
+                    "; ".join(sorted(set(frame.loc[frame["excluded"], "exclusion"]))))  # fmt: skip
     return frame
 
 
@@ -91,7 +150,8 @@ def rung_table(requests: pd.DataFrame, deltas: pd.DataFrame) -> pd.DataFrame:
         window_s = _sum_or_nan(group["decode_s"])
         generated = float((group["completion_tokens"] - 1).sum())
         row.update(
-            n_repeats=int(group["repeat"].nunique()),
+            n_repeats=int(group.loc[~group["excluded"], "repeat"].nunique()),
+            n_excluded=int(group["excluded"].sum()),
             prompt_tokens=int(group["prompt_tokens"].median()),
             decode_tok_s=decode,
             decode_tok_s_mean=float(group["decode_tok_s"].mean()),

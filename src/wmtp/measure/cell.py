@@ -140,8 +140,12 @@ def _measure(
     client: httpx.Client,
     engine: EngineAdapter,
 ) -> list[dict[str, Any]]:
-    """One repeat: ``len(prompts)`` concurrent requests. Energy windows per request at concurrency 1."""
+    """One repeat: ``len(prompts)`` concurrent requests. Energy windows and counters per request at concurrency 1."""
     per_request_windows = len(prompts) == 1 and not warmup and meter.available
+    # Alone on the server, a request owns every counter increment between two snapshots: acceptance gets one
+    # value per request, so its noise enters the intervals (two /metrics reads, milliseconds).
+    per_request_counters = len(prompts) == 1 and not warmup
+    counters_before = engine.read_counters(base_url) if per_request_counters else {}
     results: list[Completion | BaseException | None] = [None] * len(prompts)
     windows: list[tuple[EnergyWindow | None, EnergyWindow | None]] = [(None, None)] * len(prompts)
 
@@ -198,6 +202,10 @@ def _measure(
         run.windows += [w for w in (prefill_w, decode_w) if w is not None]
         rows.append(_request_row(run.cell, workload, rung, repeat, slot, warmup, result, prefill_w, decode_w))
         rows[-1].update(engine.request_fields(result.extensions))
+    if per_request_counters and counters_before:
+        after = engine.read_counters(base_url)
+        # Raw differences, negative ones included: a counter that went backwards is screened out downstream.
+        rows[0].update({f"d_{k}": after.get(k, 0.0) - counters_before.get(k, 0.0) for k in sorted(set(after))})
     return rows
 
 

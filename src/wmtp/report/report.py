@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from wmtp.analyze import analysis as an
+from wmtp.analyze import answer
 from wmtp.layout import REPO_ROOT, TIDY_TABLES
 
 log = logging.getLogger(__name__)
@@ -429,13 +430,80 @@ def decode_section(tidy: Tidy, **boot: Any) -> Section:
     return Section(_arm_order(add_labels(frame, tidy.rungs)))
 
 
+def answer_rows(tidy: Tidy) -> pd.DataFrame:
+    """Paired comparisons with their intervals and verdicts (wmtp.analyze.answer), for this study."""
+    if tidy.requests.empty or "excluded" not in tidy.requests.columns:
+        return pd.DataFrame(columns=answer.COLUMNS)
+    return answer.answer_table(tidy.requests, tidy.rungs)
+
+
+def _interval_text(row: pd.Series, quantity: str) -> str:
+    if not math.isfinite(row["lo"]):
+        return f"{answer._fmt(row['value'], quantity)} (n = {int(row['n'])})"
+    return (
+        f"{answer._fmt(row['value'], quantity)} [{answer._fmt(row['lo'], quantity)}, "
+        f"{answer._fmt(row['hi'], quantity)}] n = {int(row['n'])}" + (f", {row['verdict']}" if row["verdict"] else "")
+    )
+
+
+def answer_section(tidy: Tidy) -> Section:
+    """The page's opening table: per context and drafting series, each paired comparison in one cell."""
+    rows = answer_rows(tidy)
+    if rows.empty:
+        return Section(notes=(NOTE_NO_DRAFT if not tidy.has_drafting else NOTE_NO_BASE,))
+    titles = {
+        "speedup": "speedup over no draft",
+        "cost_side_ratio": "cost-side ratio vs mtp",
+        "acceptance": "acceptance",
+        "acceptance_change": "acceptance vs mtp",
+    }
+    keys = ["model", "engine", "concurrency", "workload", "rung", "arm", "k", "sink", "window"]
+    out = []
+    for key, group in rows.groupby(keys, dropna=False, sort=True):
+        record = dict(zip(keys, key, strict=True))
+        line = {
+            "workload": record["workload"],
+            "context": context_label(record["rung"]),
+            "series": answer.series_label(record),
+        }
+        for _, r in group.iterrows():
+            line[titles[r["quantity"]]] = _interval_text(r, r["quantity"])
+        out.append(line)
+    frame = pd.DataFrame(out).fillna("—")
+    return Section(frame[[c for c in ["workload", "context", "series", *titles.values()] if c in frame.columns]])
+
+
+def answer_sentences(tidy: Tidy) -> list[str]:
+    """The findings at each workload's longest context, in words: resolved ones first."""
+    rows = answer_rows(tidy)
+    if rows.empty:
+        return []
+    longest = rows[rows["rung"] == rows.groupby("workload")["rung"].transform("max")]
+    order = {"speedup": 0, "cost_side_ratio": 1, "acceptance_change": 2, "acceptance": 3}
+    longest = longest.assign(_o=longest["quantity"].map(order), _r=longest["verdict"] != answer.RESOLVED)
+    return [answer.sentence(r) for _, r in longest.sort_values(["_r", "workload", "_o"]).iterrows()]
+
+
+def excluded_section(tidy: Tidy) -> Section:
+    """Requests whose numbers are physically impossible: excluded from every figure and table, listed here."""
+    r = tidy.requests
+    if r.empty or "excluded" not in r.columns or not r["excluded"].any():
+        return Section()
+    cols = ["cell_id", "workload", "rung", "repeat", "slot", "completion_tokens", "decode_s", "exclusion"]
+    return Section(r.loc[r["excluded"], [c for c in cols if c in r.columns]].reset_index(drop=True))
+
+
 def speedup_section(tidy: Tidy, **boot: Any) -> Section:
-    """Speedup over the none arm per drafting series vs context, with CI."""
+    """Speedup over the none arm per drafting series vs context: paired geometric mean with its t interval."""
     if not tidy.has_drafting:
         return Section(notes=(NOTE_NO_DRAFT,))
     if an.BASE_ARM not in tidy.arms:
         return Section(notes=(NOTE_NO_BASE,))
-    frame = an.speedup_table(tidy.requests, **boot)
+    rows = answer_rows(tidy)
+    if rows.empty:  # tidy tables written before requests were screened and paired
+        frame = an.speedup_table(tidy.requests, **boot)
+    else:
+        frame = rows[rows["quantity"] == "speedup"].rename(columns={"value": "speedup"}).reset_index(drop=True)
     return (
         Section(_arm_order(add_labels(frame, tidy.rungs)))
         if not frame.empty
@@ -1315,6 +1383,9 @@ class ReportData:
     styles: dict[str, dict[str, Any]]
     published_vs_measured: Section
     costmodel: Section
+    answer: Section
+    findings: list[str]
+    excluded: Section
 
 
 def load_report_data(
@@ -1352,6 +1423,9 @@ def load_report_data(
         styles=series_styles(add_labels(ov, tidy.rungs)),
         published_vs_measured=published_comparison(tidy, published, study, **boot),
         costmodel=costmodel_section(tidy),
+        answer=answer_section(tidy),
+        findings=answer_sentences(tidy),
+        excluded=excluded_section(tidy),
     )
 
 

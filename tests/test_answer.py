@@ -1,0 +1,94 @@
+"""Screening of impossible requests and the paired answer table, on requests built by hand."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from wmtp.analyze.answer import answer_table, sentence
+from wmtp.analyze.tidy import STEP_FLOOR_FACTOR, exclusion_reason, screen_requests
+
+
+def _requests(step_ms: dict[str, list[float]], rung: int = 4096, accepted: dict[str, list[float]] | None = None):
+    """64-token requests per arm with the given per-token decode steps; drafting arms draft 15 × 3 tokens."""
+    rows = []
+    for arm, steps in step_ms.items():
+        for repeat, step in enumerate(steps):
+            drafting = arm != "none"
+            acc = (accepted or {}).get(arm, [20.0] * len(steps))[repeat] if drafting else 0.0
+            rows.append({
+                "cell_id": f"c-{arm}", "model": "m", "engine": "e", "concurrency": 1, "workload": "code",
+                "rung": rung, "repeat": repeat, "slot": 0, "arm": arm, "k": 3 if drafting else 0,
+                "sink": 16.0 if arm == "wmtp" else math.nan, "window": 256.0 if arm == "wmtp" else math.nan,
+                "completion_tokens": 64, "decode_s": 63 * step / 1000, "decode_tok_s": 1000 / step,
+                "d_drafts": 15.0 if drafting else 0.0, "d_draft_tokens": 45.0 if drafting else 0.0,
+                "d_accepted": acc,
+                "req_tok_per_verify": 1 + acc / 15 if drafting else 1.0,
+                "req_acceptance": acc / 45 if drafting else math.nan,
+            })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def _rungs(requests: pd.DataFrame) -> pd.DataFrame:
+    return (
+        requests.groupby(["cell_id", "workload", "rung"])["req_tok_per_verify"]
+        .mean()
+        .rename("tok_per_verify")
+        .reset_index()
+    )
+
+
+def test_exclusion_reasons():
+    assert exclusion_reason(1, 0.5, 0.01, []) == "no decode window (fewer than 2 tokens)"
+    assert exclusion_reason(64, 0.0, 0.01, []) == "zero-length decode window"
+    assert exclusion_reason(64, 63 * 0.0001, 0.01, []).startswith("decode step 0.1 ms < floor 10 ms")
+    assert exclusion_reason(64, 63 * 0.02, 0.01, [3.0, -1.0]) == "a spec-decode counter went backwards"
+    assert exclusion_reason(64, 63 * 0.02, 0.01, [3.0, float("nan")]) == ""
+
+
+def test_a_burst_of_tokens_is_screened_and_drops_out_of_its_pair():
+    """A decode 'window' of 0.7 ms for 63 tokens (90,000 tok/s on a CPU) is a buffered stream, not a decode."""
+    requests = _requests({"none": [12.0, 12.5, 11.8], "mtp": [10.0, 0.011, 9.5]})
+    screened = screen_requests(requests)
+    bad = screened[screened["excluded"]]
+    assert list(bad["repeat"]) == [1] and bad["exclusion"].iloc[0].startswith("decode step")
+    assert math.isnan(bad["decode_tok_s"].iloc[0])
+    floor_ms = np.median([12.0, 12.5, 11.8, 10.0, 9.5]) / STEP_FLOOR_FACTOR
+    assert floor_ms > 0.011
+    table = answer_table(screened, _rungs(screened))
+    speedup = table[(table["quantity"] == "speedup") & (table["arm"] == "mtp")].iloc[0]
+    assert speedup["n"] == 2  # the excluded request's pair is gone
+    assert speedup["value"] == pytest.approx(math.sqrt((12.0 / 10.0) * (11.8 / 9.5)))
+    assert speedup["hi"] < 1000  # one impossible point cannot stretch the interval to absurd values
+
+
+def test_answer_pairs_by_prompt_and_gives_verdicts():
+    # wmtp decodes 20 % faster than mtp on every prompt, and both beat none clearly.
+    none = [20.0, 30.0, 25.0]
+    mtp = [15.0, 22.0, 19.0]
+    wmtp = [m / 1.2 for m in mtp]
+    requests = screen_requests(
+        _requests({"none": none, "mtp": mtp, "wmtp": wmtp}, accepted={"mtp": [24, 21, 30], "wmtp": [20, 18, 27]})
+    )
+    table = answer_table(requests, _rungs(requests)).set_index(["arm", "quantity"])
+    assert table.loc[("wmtp", "speedup"), "value"] == pytest.approx(np.exp(np.mean(np.log(np.array(none) / wmtp))))
+    assert table.loc[("wmtp", "speedup"), "verdict"] == "resolved"
+    # cycle = tokPerVerify × step: native over windowed, per prompt
+    cycle_mtp = [(1 + a / 15) * s for a, s in zip([24, 21, 30], mtp, strict=True)]
+    cycle_wmtp = [(1 + a / 15) * s for a, s in zip([20, 18, 27], wmtp, strict=True)]
+    expected = np.exp(np.mean(np.log(np.array(cycle_mtp) / cycle_wmtp)))
+    assert table.loc[("wmtp", "cost_side_ratio"), "value"] == pytest.approx(expected)
+    change = table.loc[("wmtp", "acceptance_change")]
+    assert change["value"] == pytest.approx(np.mean([(20 - 24) / 45, (18 - 21) / 45, (27 - 30) / 45]))
+    assert change["n"] == 3
+    assert ("mtp", "cost_side_ratio") not in table.index
+
+
+def test_an_unresolved_effect_is_said_to_be_unresolved():
+    requests = screen_requests(_requests({"none": [10.0, 12.0, 11.0], "mtp": [9.0, 13.5, 10.5]}))
+    row = answer_table(requests, _rungs(requests)).query("quantity == 'speedup'").iloc[0]
+    assert row["verdict"] == "not resolved"
+    assert sentence(row).endswith("not resolved: the interval includes no effect.")

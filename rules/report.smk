@@ -6,6 +6,10 @@ rule report:
         tidy_tables(),
         notebook="notebooks/report.ipynb",
         replica=REPLICA_RESULTS / "tidy" / "replica.parquet",
+        # Everything else the report reads: editing a published number or a model's facts re-renders it.
+        published=sorted(Path(workflow.basedir).glob("config/published/*.csv")),
+        models=sorted(Path(workflow.basedir).glob("config/models/*.json")),
+        paper_study=Path(workflow.basedir) / "config" / "studies" / "paper-1m.yaml",
     output:
         layout.report_file(RESULTS),
     log:

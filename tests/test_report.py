@@ -92,7 +92,7 @@ def test_load_published_types_and_the_headline_numbers():
     rng = pub[pub["quantity"] == "decode_tok_s_range"].iloc[0]
     assert (rng["lo"], rng["hi"], rng["rung"]) == (90.2, 102.2, 32779)
     claim = report.paper_claim(report.load_published(PUBLISHED))
-    assert claim == {"rung": 1_000_000.0, "lo": pytest.approx(0.28), "hi": pytest.approx(0.44)}
+    assert claim == {"rung": 1_048_576.0, "lo": pytest.approx(0.28), "hi": pytest.approx(0.44)}
     ring = report.load_published(PUBLISHED, "windowed-mtp-paper", primary_only=True)
     kv = ring[ring["quantity"] == "kv_reclaimed_pct"].iloc[0]
     assert (kv["lo"], kv["hi"]) == (7.7, 11.1)

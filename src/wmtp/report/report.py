@@ -11,8 +11,8 @@ come from: ``study, quantity, arm, k, rung, rung_from, position, value, pm, lo, 
 source, source_quote``. ``source`` labels which text the quote is from (docs/design.md, "Published
 numbers": ``seed 000`` is the Spark study's write-up, ``seed 001``/``seed 003`` texts on the Windowed-MTP
 paper). ``rung`` is the context the text names (its server-counted prompt tokens where it gives them,
-1000000 for the paper's "1M"); ``primary`` is false for a rounded restatement of a number stated more
-precisely elsewhere. Percentages are stored as the text writes them (78.7, unit %).
+1,048,576 for the paper's "1M", the rung the studies measure); ``primary`` is false for a rounded
+restatement of a number stated more precisely elsewhere, and for what a text says a change *would* do. Percentages are stored as the text writes them (78.7, unit %).
 """
 
 from __future__ import annotations

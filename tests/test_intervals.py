@@ -53,7 +53,7 @@ def _coverage(draw, truth: float, seed: int) -> float:
     return hits / SIMS
 
 
-@pytest.mark.parametrize("n", [3, 4, 6])
+@pytest.mark.parametrize("n", [3, 5, 6])
 @pytest.mark.parametrize("noise", [0.02, 0.1])
 def test_speedup_interval_covers(n, noise):
     truth = 1.3

@@ -129,8 +129,9 @@ def test_matrix_expansion_order_and_ids(embedded_raw):
 
 
 def test_repeats_scalar_expands_per_rung(embedded_raw):
+    embedded_raw["protocol"]["repeats"] = 4
     study = study_from_dict(embedded_raw)
-    assert study.protocol.repeats == [3, 3, 3]
+    assert study.protocol.repeats == [4, 4, 4]
 
 
 def test_spark_study_encodes_the_seed_protocol(repo, tmp_path, monkeypatch):
@@ -166,5 +167,5 @@ def test_check_config_lists_cells_and_the_sweep(repo, capsys):
     assert main(["check-config", "--config", str(repo / "config" / "config.yaml")]) == 0
     out = capsys.readouterr().out
     assert "is valid: 4 cells" in out
-    assert "rungs 1024, 4096, 16384 × repeats [3, 3, 3] on workloads code, copy" in out
+    assert "rungs 1024, 4096, 16384 × repeats [5, 5, 5] on workloads code, copy" in out
     assert "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~1024/c~1" in out

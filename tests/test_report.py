@@ -410,3 +410,20 @@ def test_acceptance_display_without_workloads(full_tidy_dir):
     assert list(shown.columns) == ["series", "2K", "32K", "131K"], list(shown.columns)
     mtp = shown[shown["series"] == "mtp k=3"].iloc[0]
     assert mtp["2K"].endswith("(3.36)") and mtp["2K"].startswith("78.")
+
+
+def test_the_papers_claim_is_set_against_the_ceiling_with_the_committed_h200_replica(tmp_path):
+    """The committed H200 measurements, tidied as the workflow does: the 35B's replica ratio at 1M and k = 3
+    sits below the KV-bound ceiling 1 + 3/10, which the paper's upper end 1.44 exceeds."""
+    from wmtp.replica import replica as rp
+
+    out = tmp_path / "replica.parquet"
+    assert rp.main(["tidy", "--raw", str(ROOT / "measurements" / "h200"), "--models-dir",
+                    str(ROOT / "config" / "models"), "--out", str(out)]) == 0  # fmt: skip
+    frame = report.paper_claim_section(pd.read_parquet(out), report.load_published(PUBLISHED)).frame
+    row = frame.set_index("model").loc["Qwen3.6-35B-A3B"]
+    assert row["context"] == "1M" and row["paper"] == "1.28–1.44"
+    assert row["ceiling 1 + 3/L_full"] == pytest.approx(1.30)
+    assert 1.0 < row["replica (H200)"] < row["cost model"] < row["ceiling 1 + 3/L_full"] < 1.44
+    assert row["the paper's range"] == "upper end above the ceiling"
+    assert set(frame["the paper's range"]) <= {"above the ceiling", "upper end above the ceiling"}

@@ -1,4 +1,4 @@
-# Raw cell files → tidy parquet tables with the derived quantities.
+# Raw cell files → tidy parquet tables with the derived quantities, then the derived tables the report shows.
 
 
 rule collect:
@@ -16,3 +16,21 @@ rule collect:
         "../envs/pipeline.yaml"
     shell:
         "{params.py} -m wmtp --log {log:q} collect --out {params.out:q} {input:q}"
+
+
+rule derive:
+    input:
+        tidy_tables(),
+    output:
+        derived_tables(),
+    log:
+        LOGS / "derive.log",
+    params:
+        py=PY,
+        tidy=layout.tidy_dir(RESULTS),
+        out=layout.derived_dir(RESULTS),
+    localrule: True
+    conda:
+        "../envs/pipeline.yaml"
+    shell:
+        "{params.py} -m wmtp --log {log:q} derive --tidy {params.tidy:q} --out {params.out:q}"

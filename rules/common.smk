@@ -106,5 +106,9 @@ def tidy_tables():
     return layout.tidy_files(RESULTS)
 
 
+def derived_tables():
+    return layout.derived_files(RESULTS)
+
+
 def all_targets():
     return [layout.report_file(RESULTS), RESOLVED_CONFIG]

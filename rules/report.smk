@@ -4,6 +4,7 @@
 rule report:
     input:
         tidy_tables(),
+        derived_tables(),
         notebook="notebooks/report.ipynb",
         replica=REPLICA_RESULTS / "tidy" / "replica.parquet",
         # Everything else the report reads: editing a published number or a model's facts re-renders it.

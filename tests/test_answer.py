@@ -92,3 +92,24 @@ def test_an_unresolved_effect_is_said_to_be_unresolved():
     row = answer_table(requests, _rungs(requests)).query("quantity == 'speedup'").iloc[0]
     assert row["verdict"] == "not resolved"
     assert sentence(row).endswith("not resolved: the interval includes no effect.")
+
+
+def test_the_derive_stage_writes_what_the_report_reads(tmp_path):
+    """Tidy tables of a real embedded run → derived/answer.parquet and excluded.parquet; the report reads them."""
+    from pathlib import Path
+
+    from wmtp.analyze.derive import derive
+    from wmtp.analyze.tidy import collect
+    from wmtp.report import report
+
+    raw = Path(__file__).parent / "fixtures" / "embedded-trained-run"
+    tidy_dir = tmp_path / "embedded" / "tidy"
+    collect([m.parent for m in raw.rglob("manifest.json")], tidy_dir)
+    tables = derive(tidy_dir, tmp_path / "embedded" / "derived")
+    assert set(tables["answer"]["quantity"]) == {"speedup", "cost_side_ratio"}  # no per-request counters then
+    assert tables["excluded"].empty
+    # The report's answer is the derived table, not a recomputation: a marker written there shows up.
+    marked = tables["answer"].assign(verdict="marker")
+    marked.to_parquet(tmp_path / "embedded" / "derived" / "answer.parquet", index=False)
+    rows = report.answer_rows(report.load_tidy(tidy_dir))
+    assert set(rows["verdict"]) == {"marker"}

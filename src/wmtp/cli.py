@@ -101,6 +101,13 @@ def cmd_collect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_derive(args: argparse.Namespace) -> int:
+    from wmtp.analyze.derive import derive
+
+    derive(Path(args.tidy), Path(args.out))
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from wmtp.report.report import main_report
 
@@ -146,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("manifests", nargs="+", help="the manifest.json of each cell")
     p.set_defaults(func=cmd_collect)
+
+    p = sub.add_parser("derive", help="tidy tables → the derived tables the report shows")
+    p.add_argument("--tidy", required=True, help="results/<study>/tidy")
+    p.add_argument("--out", required=True, help="results/<study>/derived")
+    p.set_defaults(func=cmd_derive)
 
     p = sub.add_parser(
         "report", help="render the study report (papermill → HTML); options as wmtp.report.report", add_help=False

@@ -7,6 +7,7 @@ or the cell id format changes here or nowhere. The tree of one study::
         study.json                  the validated study, as the ``wmtp`` command reads it
         raw/<cell id>/              one cell: RAW_SUCCESS_FILES, or FAILURE_FILE (+ SERVER_FAILED_LOG)
         tidy/<table>.parquet        TIDY_TABLES, derived from every complete cell
+        derived/<table>.parquet     DERIVED_TABLES: the paired comparisons and the excluded requests
         report/index.html           the rendered report
         logs/                       one log per job
 """
@@ -22,6 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 STUDY_FILE = "study.json"
 RAW_DIR = "raw"
 TIDY_DIR = "tidy"
+DERIVED_DIR = "derived"
 REPORT_DIR = "report"
 LOGS_DIR = "logs"
 REPORT_FILE = "index.html"
@@ -38,6 +40,7 @@ FAILURE_FILE = "failure.json"
 SERVER_FAILED_LOG = "server.failed.log"
 
 TIDY_TABLES = ("requests", "rungs", "positions")
+DERIVED_TABLES = ("answer", "excluded")
 
 # Cell ids: "model~M/engine~E/arm~A[/k~K][/s~S/w~W]/c~C". k appears for drafting arms, s and w for
 # windowed ones, so an id names exactly the settings that matter to its arm.
@@ -118,6 +121,14 @@ def tidy_dir(results: Path) -> Path:
 
 def tidy_files(results: Path) -> list[Path]:
     return [tidy_dir(results) / f"{name}.parquet" for name in TIDY_TABLES]
+
+
+def derived_dir(results: Path) -> Path:
+    return results / DERIVED_DIR
+
+
+def derived_files(results: Path) -> list[Path]:
+    return [derived_dir(results) / f"{name}.parquet" for name in DERIVED_TABLES]
 
 
 def report_file(results: Path) -> Path:

@@ -36,7 +36,7 @@ import pandas as pd
 
 from wmtp.analyze import analysis as an
 from wmtp.analyze import answer
-from wmtp.layout import REPO_ROOT, TIDY_TABLES
+from wmtp.layout import DERIVED_DIR, REPO_ROOT, TIDY_TABLES
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ class Tidy:
     requests: pd.DataFrame
     rungs: pd.DataFrame
     positions: pd.DataFrame
+    # <study>/derived beside the tidy folder, where the derive stage writes what the report shows.
+    derived_dir: Path | None = None
 
     @property
     def arms(self) -> list[str]:
@@ -107,7 +109,7 @@ def load_tidy(tidy_dir: Path | str) -> Tidy:
         frames[name] = pd.read_parquet(path) if path.exists() else pd.DataFrame()
     if frames["rungs"].empty:
         raise FileNotFoundError(f"report: {tidy_dir}/rungs.parquet is missing or empty")
-    return Tidy(**frames)
+    return Tidy(**frames, derived_dir=tidy_dir.parent / DERIVED_DIR)
 
 
 def load_published(
@@ -432,9 +434,12 @@ def decode_section(tidy: Tidy, **boot: Any) -> Section:
 
 
 def answer_rows(tidy: Tidy) -> pd.DataFrame:
-    """Paired comparisons with their intervals and verdicts (wmtp.analyze.answer), for this study."""
+    """Paired comparisons with their intervals and verdicts: the derive stage's table where it was written
+    (``<study>/derived/answer.parquet`` beside the tidy folder), else computed the same way."""
     if tidy.requests.empty or "excluded" not in tidy.requests.columns:
         return pd.DataFrame(columns=answer.COLUMNS)
+    if tidy.derived_dir is not None and (tidy.derived_dir / "answer.parquet").exists():
+        return pd.read_parquet(tidy.derived_dir / "answer.parquet")
     return answer.answer_table(tidy.requests, tidy.rungs)
 
 
@@ -487,6 +492,8 @@ def answer_sentences(tidy: Tidy) -> list[str]:
 
 def excluded_section(tidy: Tidy) -> Section:
     """Requests whose numbers are physically impossible: excluded from every figure and table, listed here."""
+    if tidy.derived_dir is not None and (tidy.derived_dir / "excluded.parquet").exists():
+        return Section(pd.read_parquet(tidy.derived_dir / "excluded.parquet"))
     r = tidy.requests
     if r.empty or "excluded" not in r.columns or not r["excluded"].any():
         return Section()

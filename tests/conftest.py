@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,19 @@ def find_engine_python() -> str:
             pytrace=False,
         )
     return python
+
+
+def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None, poll_s: float = 0.25):
+    """The first truthy value of ``predicate()``; fails on timeout or when ``proc`` exits meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the process exited ({proc.returncode}) while waiting for {what}")
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 @pytest.fixture(scope="session")

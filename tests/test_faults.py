@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import engines_dir
+from conftest import engines_dir, wait_for
 
 from wmtp.measure.server import group_alive
 from wmtp.measure.watchdog import group_members
@@ -43,18 +43,6 @@ def _snakemake(study: Path, *extra: str) -> list[str]:
             "--configfile", str(study), *extra]  # fmt: skip
 
 
-def _wait(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"snakemake exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-
-
 def _serving_server(log: Path, proc: subprocess.Popen, seen: set[int]) -> int:
     """The process group of a server the cell log names that is not in ``seen``, once it runs its engine core.
 
@@ -69,9 +57,9 @@ def _serving_server(log: Path, proc: subprocess.Popen, seen: set[int]) -> int:
         pids = [int(p) for p in re.findall(r"server pid (\d+)", text) if int(p) not in seen]
         return pids[0] if pids else None
 
-    pgid = _wait(started, 900, f"a server start after {sorted(seen)}", proc)
+    pgid = wait_for(started, 900, f"a server start after {sorted(seen)}", proc)
     seen.add(pgid)
-    _wait(lambda: len(group_members(pgid)) >= 2, 300, "the server's engine core process", proc)
+    wait_for(lambda: len(group_members(pgid)) >= 2, 300, "the server's engine core process", proc)
     return pgid
 
 

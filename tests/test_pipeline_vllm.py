@@ -14,13 +14,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
-from conftest import engines_dir
+from conftest import engines_dir, wait_for
 
 from wmtp.measure.equality import equal_up_to_numerics
 from wmtp.measure.server import group_alive
@@ -52,18 +51,6 @@ def _snakemake(workdir_config: Path, *extra: str) -> list[str]:
     ]
 
 
-def _wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"snakemake exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, engine_python):
     tmp = tmp_path_factory.mktemp("pipeline")
@@ -89,7 +76,7 @@ def pipeline(tmp_path_factory, engine_python):
         proc = subprocess.Popen(_snakemake(study_file), cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         try:
             # The cell that runs last gets its server killed in the middle of its last rung.
-            done = _wait_for(
+            done = wait_for(
                 lambda: (lambda d: d if len(d) == len(cells) - 1 else None)(
                     [c for c in cells if (results / "raw" / c / "manifest.json").exists()]
                 ),
@@ -99,7 +86,7 @@ def pipeline(tmp_path_factory, engine_python):
             )
             victim = next(c for c in cells if c not in done)
             victim_log = logs / f"{victim}.log"
-            text = _wait_for(
+            text = wait_for(
                 lambda: (
                     victim_log.exists()
                     and f"rung {RUNGS[-1]} repeat 1/" in victim_log.read_text()

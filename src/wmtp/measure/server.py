@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 
+from wmtp.measure import watchdog
+
 log = logging.getLogger(__name__)
 
 
@@ -129,8 +131,6 @@ class ServerProcess:
         )
         log_file.close()
         if sys.platform == "linux" and hasattr(os, "pidfd_open"):
-            from wmtp.measure import watchdog
-
             self.watchdog = watchdog.start(os.getpid(), self.proc.pid)
 
     @property
@@ -233,11 +233,4 @@ def group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     # A zombie leader still counts for killpg; look for live members in /proc.
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return bool(watchdog.group_members(pgid))

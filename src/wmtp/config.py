@@ -94,8 +94,23 @@ class ModelSpec(_Strict):
     generate: Literal["tiny", "trained"] | None = None
     seed: int = 0
     hf_id: str | None = None
+    # The Hub commit (or tag or branch) rule `model` fetches hf_id at; the files' hashes are recorded next to them.
+    revision: str | None = None
     max_model_len: int
     serve_args: list[str] = Field(default_factory=list)
+    # This model's own prompt format and chat-template arguments, in place of the protocol's (template arguments
+    # are a model family's vocabulary: enable_thinking is Qwen's).
+    prompt_format: Literal["raw", "chat"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Left out while unset, so that a study that does not use them keeps its cells' identities.
+        data = handler(self)
+        for key in ("revision", "prompt_format", "chat_template_kwargs"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 class ArmSpec(_Strict):
@@ -121,6 +136,19 @@ class ProtocolSpec(_Strict):
     workloads: list[Literal["code", "copy"]] = Field(default_factory=lambda: ["code"])
     # Ask for token ids and top-2 logprobs of every generated token (for equality tests; adds overhead).
     record_tokens: bool = False
+    # "raw": the prompt text as it is (/v1/completions); "chat": one user message through the model's chat template,
+    # called with chat_template_kwargs (e.g. {"enable_thinking": false}). The rung is the templated prompt's length.
+    prompt_format: Literal["raw", "chat"] = "raw"
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Left out at their defaults, so that a raw-prompt study keeps its cells' identities and protocol hash.
+        data = handler(self)
+        if data.get("prompt_format") == "raw" and not data.get("chat_template_kwargs"):
+            data.pop("prompt_format", None)
+            data.pop("chat_template_kwargs", None)
+        return data
 
 
 class ReplicaSettings(_Strict):
@@ -290,10 +318,13 @@ def _check_models(models: list[Mapping[str, Any]], base_dir: Path) -> None:
                 f"config: models[{i}] needs exactly one of 'path' or 'generate' "
                 f"(got path={model.get('path')!r}, generate={model.get('generate')!r})"
             )
+        if model.get("revision") is not None and model.get("hf_id") is None:
+            raise ConfigError(f"config: models[{i}].revision needs models[{i}].hf_id (the checkpoint it pins)")
         if has_path:
             path = Path(model["path"])
             resolved = path if path.is_absolute() else base_dir / path
-            if not resolved.is_dir():
+            # With hf_id, rule `model` fetches the checkpoint into path; without it, it must be there already.
+            if not resolved.is_dir() and model.get("hf_id") is None:
                 raise ConfigError(
                     f"config: models[{i}].path {model['path']!r} does not exist "
                     f"(looked in {resolved}); download the checkpoint there or fix the path"

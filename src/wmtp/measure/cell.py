@@ -35,7 +35,7 @@ from wmtp.measure.identity import cell_identity, check_identity, identity_hash
 from wmtp.measure.lock import device_key, device_lock
 from wmtp.measure.power import EnergyWindow, PowerMeter, open_meter
 from wmtp.measure.server import PortTaken, ServerProcess, free_port
-from wmtp.measure.workload import PromptFactory, workload_prompt
+from wmtp.measure.workload import PromptFactory, chat_settings, workload_prompt
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,7 @@ def _measure(
                 on_first_token=first_token,
                 client=client,
                 extra_body=engine.request_extra,
+                chat=chat_settings(run.study, run.cell.model),
             )
             if per_request_windows:
                 windows[slot] = (prefill_w[0], meter.end_window(name + "/decode"))
@@ -547,7 +548,7 @@ def run_cell(run: CellRun) -> Path:
     keep_staging = False
     try:
         with device_lock(device_key(spec.device, run.gpu_index)):
-            factory = PromptFactory(run.model_dir / "tokenizer.json")
+            factory = PromptFactory(run.model_dir / "tokenizer.json", chat=chat_settings(study, cell.model))
             manifest["corpus_digest"] = factory.corpus.digest
             with meter.sampling(hz=10.0):
                 if study.protocol.idle_baseline_s > 0 and meter.available:

@@ -1,4 +1,12 @@
-"""Streaming OpenAI-compatible completions with TTFT, decode time and token counts."""
+"""Streaming OpenAI-compatible completions with TTFT, decode time and token counts.
+
+A raw prompt goes to ``/v1/completions``; a chat prompt (``chat``: the chat-template arguments) goes to
+``/v1/chat/completions`` as one user message with ``chat_template_kwargs``. The server applies the model's own
+template, as it does for the chat clients of the Spark study, whose thinking-off runs went that way: the prompt
+measured is the one such a client gets, and the server's ``usage.prompt_tokens`` counts the templated prompt, which
+the cell checks against the rung (rendering locally and sending text or token ids to the completions endpoint
+would measure a prompt that no chat client sends whenever our render and the server's differ).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,7 @@ import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -55,6 +64,27 @@ def _events(lines: Iterable[str]) -> Iterator[dict]:
         yield json.loads(payload)
 
 
+def _choice_text(choice: Mapping[str, Any]) -> str:
+    # A completion chunk carries text; a chat chunk a delta, whose reasoning (thinking left on) is output too.
+    if "delta" not in choice:
+        return choice.get("text") or ""
+    delta = choice.get("delta") or {}
+    return (delta.get("reasoning_content") or delta.get("reasoning") or "") + (delta.get("content") or "")
+
+
+def _add_logprobs(lp: Mapping[str, Any] | None, token_ids: list[int], tops: list[dict[int, float]]) -> None:
+    if not lp:
+        return
+    if "content" in lp:  # chat: one entry per token, with its top candidates as a list
+        for entry in lp.get("content") or []:
+            token_ids.append(_token_id(entry["token"]))
+            tops.append({_token_id(t["token"]): t["logprob"] for t in entry.get("top_logprobs") or []})
+        return
+    token_ids += [_token_id(t) for t in lp.get("tokens") or []]
+    for top in lp.get("top_logprobs") or []:
+        tops.append({_token_id(t): v for t, v in (top or {}).items()})
+
+
 def complete(
     base_url: str,
     model: str,
@@ -68,24 +98,34 @@ def complete(
     on_first_token: Callable[[], None] | None = None,
     client: httpx.Client | None = None,
     extra_body: Mapping | None = None,
+    chat: Mapping[str, Any] | None = None,
 ) -> Completion:
     """One streamed completion; greedy by default, fixed length (ignore_eos).
 
-    ``extra_body`` adds engine-specific request fields (SGLang: ``return_spec_tokens_details``).
+    ``extra_body`` adds engine-specific request fields (SGLang: ``return_spec_tokens_details``). With ``chat``
+    (the chat-template arguments, possibly empty) the prompt is one user message to the chat endpoint.
     """
     body: dict = {
         "model": model,
-        "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": ignore_eos,
     }
+    if chat is None:
+        body["prompt"] = prompt
+    else:
+        if not isinstance(prompt, str):
+            raise ValueError("a chat prompt is the user message's text, not token ids")
+        body["messages"] = [{"role": "user", "content": prompt}]
+        body["chat_template_kwargs"] = dict(chat)
     if logprobs is not None:
-        body["logprobs"] = logprobs
+        # The chat endpoint takes a flag and a count; the completions endpoint, the count.
+        body.update({"logprobs": True, "top_logprobs": logprobs} if chat is not None else {"logprobs": logprobs})
         body["return_tokens_as_token_ids"] = True
     body.update(extra_body or {})
+    path = "/v1/completions" if chat is None else "/v1/chat/completions"
     extensions: dict = {}
     own = client is None
     client = client or httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
@@ -97,7 +137,7 @@ def complete(
     first_at: float | None = None
     started = time.monotonic()
     try:
-        with client.stream("POST", base_url + "/v1/completions", json=body) as response:
+        with client.stream("POST", base_url + path, json=body) as response:
             if response.status_code != 200:
                 response.read()
                 raise RequestError(f"server answered {response.status_code}: {response.text[:500]}")
@@ -110,13 +150,9 @@ def complete(
                         first_at = time.monotonic()
                         if on_first_token:
                             on_first_token()
-                    texts.append(choice.get("text") or "")
+                    texts.append(_choice_text(choice))
                     finish = choice.get("finish_reason") or finish
-                    lp = choice.get("logprobs")
-                    if lp:
-                        token_ids += [_token_id(t) for t in lp.get("tokens") or []]
-                        for top in lp.get("top_logprobs") or []:
-                            tops.append({_token_id(t): v for t, v in (top or {}).items()})
+                    _add_logprobs(choice.get("logprobs"), token_ids, tops)
     except httpx.HTTPError as err:
         raise RequestError(f"request to {base_url} failed: {err!r}") from err
     finally:

@@ -23,6 +23,14 @@ from wmtp.measure.workload import corpus_files
 log = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
+# A minimal chat template for the tiny tokenizers, so that chat prompts (protocol.prompt_format: chat) run end to end
+# on the CPU: role headers around each message and, like Qwen's, an empty thinking block when enable_thinking is
+# false, so that the template arguments demonstrably reach the server.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,7 @@ def train_tokenizer(
                 "add_bos_token": False,
                 "model_max_length": 1_000_000,
                 "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
             },
             indent=2,
         )

@@ -427,3 +427,11 @@ def test_the_papers_claim_is_set_against_the_ceiling_with_the_committed_h200_rep
     assert 1.0 < row["replica (H200)"] < row["cost model"] < row["ceiling 1 + 3/L_full"] < 1.44
     assert row["the paper's range"] == "upper end above the ceiling"
     assert set(frame["the paper's range"]) <= {"above the ceiling", "upper end above the ceiling"}
+
+
+def test_robust_limits_ignore_one_far_point_and_keep_real_spread():
+    speedups = [0.97, 0.9, 0.8, 0.72, 0.86, 0.68, 1.26, 1.07, 0.97]
+    assert report.robust_limits(speedups) is None  # a real spread sets the axis itself
+    lo, hi = report.robust_limits([*speedups, 284.7])  # one impossible point, had it not been screened
+    assert lo < 0.68 and 1.26 < hi < 2.0
+    assert report.robust_limits([1.0, 2.0, float("nan")]) is None

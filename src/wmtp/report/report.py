@@ -1491,6 +1491,23 @@ def load_report_data(
 # --------------------------------------------------------------------------------------------------
 
 
+def robust_limits(values: Sequence[float], pad: float = 0.08) -> tuple[float, float] | None:
+    """y limits that no single far point sets: the points within 6 spreads of the middle half (the spread is
+    the interquartile range, at least a tenth of the median), padded; None when the plain limits would do
+    (the screened data seldom needs them)."""
+    v = np.asarray([x for x in values if np.isfinite(x)], float)
+    if len(v) < 4:
+        return None
+    q1, q3 = np.percentile(v, [25, 75])
+    spread = max(q3 - q1, 0.1 * abs(np.median(v)), 1e-12)
+    kept = v[(v >= q1 - 6 * spread) & (v <= q3 + 6 * spread)]
+    if len(kept) == len(v):
+        return None
+    low, high = kept.min(), kept.max()
+    margin = pad * max(high - low, abs(high) * 0.05, 1e-12)
+    return low - margin, high + margin
+
+
 def save_figure(fig: Any, figures_dir: Path | str, name: str, *, dpi: int = 120) -> Path:
     """Saves a matplotlib figure as ``<name>.png`` and ``<name>.svg``; returns the PNG path."""
     figures_dir = Path(figures_dir)

@@ -40,9 +40,11 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from wmtp.plugin import hookpoints as hp
 from wmtp.plugin import window as win
 
 K = 3
@@ -154,6 +156,12 @@ def test_check_hook_points_accepts_the_expected_shape(tmp_path, monkeypatch):
             FAKE_BACKEND.replace("seq_lens_cpu_upper_bound", "seq_lens_cpu"),
             "vLLM 9.9.9: vllm.v1.attention.backend.CommonAttentionMetadata has no field seq_lens_cpu_upper_bound",
         ),
+        (
+            FAKE_PROPOSER,
+            FAKE_BACKEND + "    draft_kv_lens: object = None\n",
+            "CommonAttentionMetadata has fields ['draft_kv_lens'] that the wmtp plugin neither windows, keeps nor "
+            "refuses",
+        ),
     ],
 )
 def test_check_hook_points_names_what_is_missing(tmp_path, monkeypatch, proposer, backend, message):
@@ -162,6 +170,43 @@ def test_check_hook_points_names_what_is_missing(tmp_path, monkeypatch, proposer
     with pytest.raises(HookPointError) as err:
         _check_fake(tmp_path, monkeypatch, proposer=proposer, backend=backend)
     assert message in str(err.value)
+
+
+FAKE_V2_RUNNER = """
+class GPUModelRunner:
+    def __init__(self, vllm_config, device=None):
+        self.started = True
+"""
+
+
+def test_model_runner_v2_refuses_a_wmtp_engine_and_serves_others(tmp_path, monkeypatch):
+    """V2's speculators bypass the hooked proposer: a wmtp-configured V2 runner must not start."""
+    import importlib
+
+    import wmtp.plugin as plugin
+    from wmtp.plugin.hookpoints import HookPointError
+
+    root = _fake_vllm(tmp_path)
+    gpu = root / "vllm" / "v1" / "worker" / "gpu"
+    gpu.mkdir(parents=True)
+    for package in (root / "vllm" / "v1" / "worker", gpu):
+        (package / "__init__.py").write_text("")
+    (gpu / "model_runner.py").write_text(FAKE_V2_RUNNER)
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(plugin, "_registered", False)
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    plugin.register()
+    runner = importlib.import_module("vllm.v1.worker.gpu.model_runner").GPUModelRunner
+    assert runner(SimpleNamespace(additional_config={})).started  # unconfigured: untouched
+    with pytest.raises(HookPointError) as err:
+        runner(SimpleNamespace(additional_config={"wmtp": {"sink": 16, "window": 128}}))
+    assert str(err.value) == (
+        "wmtp plugin: vLLM 9.9.9 runs Model Runner V2 (vllm.v1.worker.gpu.model_runner), whose speculators "
+        "bypass SpecDecodeBaseProposer, so the draft would never be windowed; start the server with "
+        "VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner)"
+    )
 
 
 def test_a_missing_engine_fails_under_ci_and_skips_otherwise(tmp_path, monkeypatch):
@@ -265,13 +310,56 @@ for trial in range(300):
     bound = win.seq_len_bound(max(qlens), sink, window, block)
     assert out.max_seq_len == min(cm.max_seq_len, bound)
     assert out.block_table_tensor.shape[1] <= win.table_width_bound(max(qlens), sink, window, block)
+    expected = [win.windowed_seq_len(seqs[r], qlens[r], sink, window, block) for r in range(rows)]
     for r in range(rows):
-        expected = win.windowed_seq_len(seqs[r], qlens[r], sink, window, block)
-        assert int(out.seq_lens[r]) == expected, (r, seqs[r], qlens[r], sink, window, block)
-        assert int(out.seq_lens_cpu_upper_bound[r]) >= expected
+        assert int(out.seq_lens[r]) == expected[r], (r, seqs[r], qlens[r], sink, window, block)
         kept = win.kept_blocks(seqs[r], qlens[r], sink, window, block)
         assert out.block_table_tensor[r, :len(kept)].tolist() == table[r, kept].tolist()
         checked += 1
+    # Every field, device and host copies: windowed ones consistent with the windowed lengths, kept ones
+    # the very same objects, refused ones unset.
+    for f in dataclasses.fields(out):
+        value = getattr(out, f.name)
+        if f.name in hp.KEPT_FIELDS:
+            assert value is getattr(cm, f.name), f.name
+        elif f.name in hp.REFUSED_FIELDS:
+            assert value is None, f.name
+        elif f.name == "seq_lens":
+            assert value.device == cm.seq_lens.device and value.dtype == cm.seq_lens.dtype
+        elif f.name == "seq_lens_cpu_upper_bound":
+            assert value.device.type == "cpu"
+            assert all(expected[r] <= int(value[r]) <= bound for r in range(rows)), f.name
+        elif f.name == "max_seq_len":
+            assert max(expected) <= value <= bound
+        elif f.name == "_num_computed_tokens_cache":
+            derived = out.compute_num_computed_tokens().tolist()
+            assert derived == [e - q for e, q in zip(expected, qlens)], f.name
+        elif f.name == "block_table_tensor":
+            assert value.shape[0] == table.shape[0]
+        else:
+            raise AssertionError(f"field {f.name} of CommonAttentionMetadata is not checked here")
+fields_seen = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+assert not hp.unclassified_fields(fields_seen), hp.unclassified_fields(fields_seen)
+# Length-like names must be windowed or refused, never silently kept (encoder lengths are another cache's).
+for name in fields_seen:
+    if any(word in name for word in ("seq_len", "num_computed", "context")) and "encoder" not in name:
+        assert name in hp.WINDOWED_FIELDS + hp.REFUSED_FIELDS, name
+# A metadata object with a refused field set is not windowed.
+refused = []
+for name in hp.REFUSED_FIELDS:
+    seq_t = torch.tensor([5000], dtype=torch.int32)
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    cm = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_t, num_reqs=1, num_actual_tokens=1,
+        max_query_len=1, max_seq_len=5000, block_table_tensor=torch.zeros((1, 40), dtype=torch.int32),
+        slot_mapping=torch.zeros(1, dtype=torch.int64),
+        **{name: {0: [(0, 1)]} if name == "mm_req_doc_ranges" else seq_t})
+    try:
+        window_metadata(cm, win.WindowConfig(16, 128), 128)
+    except NotImplementedError as err:
+        assert name in str(err), err
+        refused.append(name)
+assert refused == list(hp.REFUSED_FIELDS), refused
 
 # A vLLM without the hook point: a configured proposer refuses to start, naming what is missing.
 from wmtp.plugin import hook
@@ -384,12 +472,12 @@ results, timings = [], {}
 NAMES = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
          "vllm:spec_decode_num_accepted_tokens": "accepted"}
 
-def control(tag, window=None, poison=None):
-    body = {"tag": tag}
+def control(tag, window=None, poison=None, region=None, skip_window=False):
+    body = {"tag": tag, "skip_window": skip_window}
     if window:
         body.update(sink=window[0], window=window[1])
     if poison:
-        body["poison"] = {"sink": poison[0], "window": poison[1]}
+        body["poison"] = {"sink": poison[0], "window": poison[1], "region": region or "outside"}
     tmp = os.path.join(test_dir, "control.json.tmp")
     with open(tmp, "w") as out:
         json.dump(body, out)
@@ -408,6 +496,7 @@ def counters(llm):
 
 for engine in spec["engines"]:
     started = time.monotonic()
+    os.environ["WMTP_PLUGIN_STATS_DIR"] = engine["stats_dir"]  # read when the proposer starts
     kwargs = {}
     if engine["arm"] != "none":
         kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": spec["k"]}
@@ -429,7 +518,8 @@ for engine in spec["engines"]:
     timings[engine["name"]] = {"init_s": time.monotonic() - started}
     started = time.monotonic()
     for request in engine["requests"]:
-        control(request["tag"], request.get("window"), request.get("poison"))
+        control(request["tag"], request.get("window"), request.get("poison"), request.get("region"),
+                request.get("skip_window", False))
         before = counters(llm)
         out = llm.generate([{"prompt_token_ids": spec["prompts"][str(request["length"])]}], params,
                            use_tqdm=False)[0].outputs[0]
@@ -481,6 +571,17 @@ def _engines(random_model: Path, zero_model: Path) -> list[dict]:
                             "poison": window if poisoned else None,
                         }
                     )
+            # And the other way: poison only inside the sink, or only inside the window; the draft reads it.
+            for region in ("sink", "window"):
+                requests.append(
+                    {
+                        "length": POISON_LENGTH,
+                        "tag": f"readset {window} {region}",
+                        "window": window,
+                        "poison": window,
+                        "region": region,
+                    }
+                )
         engines.append(
             {
                 "name": f"wmtp {window}",
@@ -500,6 +601,16 @@ def _engines(random_model: Path, zero_model: Path) -> list[dict]:
                 "requests": [{"length": n, "tag": f"zero {window} {n}"} for n in PROMPT_LENGTHS[1:]],
             }
         )
+    # A hook that does nothing (the test switch hands the metadata through): the cell's check must fail it.
+    engines.append(
+        {
+            "name": "off",
+            "arm": "wmtp",
+            "window": WINDOWS[0],
+            "model": str(zero_model),
+            "requests": [{"length": POISON_LENGTH, "tag": "off", "skip_window": True}],
+        }
+    )
     # Last: a configuration the plugin refuses at start-up (the ring buffer is phase 2).
     engines.append(
         {
@@ -536,6 +647,8 @@ def engines(engine_python, random_model, zero_model, work, engine_env) -> dict:
         "prompts": {str(n): p for n, p in _prompts().items()},
         "engines": _engines(random_model, zero_model),
     }
+    for i, engine in enumerate(spec["engines"]):
+        engine["stats_dir"] = str(test_dir / "stats" / str(i))
     (test_dir / "spec.json").write_text(json.dumps(spec))
     env = {
         **os.environ,
@@ -564,6 +677,7 @@ def engines(engine_python, random_model, zero_model, work, engine_env) -> dict:
         "records": _read_records(test_dir / "records.jsonl"),
         "log": text,
         "timings": done["timings"],
+        "stats_dirs": {engine["name"]: engine["stats_dir"] for engine in spec["engines"]},
     }
 
 
@@ -598,7 +712,7 @@ def server_run(engine_python, zero_model, work, engine_env, engines) -> dict:
             engine_args=ENGINE_ARGS,
         )
     )
-    env = {**engine_env, "WMTP_PLUGIN_TEST_DIR": str(run_dir)}
+    env = {**engine_env, "WMTP_PLUGIN_TEST_DIR": str(run_dir), "WMTP_PLUGIN_STATS_DIR": str(run_dir / "stats")}
     server = ServerProcess(argv, env, run_dir / "server.log", f"http://127.0.0.1:{port}")
     prompts = _prompts()
     outputs, deltas = {}, {}
@@ -616,7 +730,11 @@ def server_run(engine_python, zero_model, work, engine_env, engines) -> dict:
     deadline = time.monotonic() + 20  # SIGKILLed workers take a moment to be reaped
     while pgid is not None and group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.2)
+    # The cell's own check, as run_cell calls it after the sweep.
+    cell = SimpleNamespace(arm="wmtp", sink=sink, window=window, k=K)
+    verified = adapter.VLLMAdapter().verify_cell(run_dir, env, cell, SimpleNamespace(rungs=PROMPT_LENGTHS[1:]))
     return {
+        "verified": verified,
         "outputs": outputs,
         "deltas": deltas,
         "records": _read_records(run_dir / "records.jsonl"),
@@ -721,12 +839,33 @@ def test_windowed_draft_reads_nothing_outside_sink_and_window(engines):
     )
 
 
+@pytest.mark.engine
+def test_windowed_draft_reads_its_sink_and_its_window(engines):
+    """Poison written through the backend's cache writer at the first S or the last W token positions."""
+    records, outputs, design = engines["records"], engines["outputs"], WINDOWS[0]
+    clean = _proposals(records[f"readset {design} False"])
+    clean_out = outputs[(f"wmtp {design}", f"readset {design} False")]["ids"]
+    changed = {}
+    for region in ("sink", "window"):
+        tag = f"readset {design} {region}"
+        poisons = [e for e in records[tag] if e["kind"] == "poison"]
+        assert poisons and all(e["region"] == region and e["slots"] > 0 for e in poisons), region
+        dirty = _proposals(records[tag])
+        assert len(dirty) == len(clean) > 0
+        changed[region] = sum(a != b for a, b in zip(clean, dirty, strict=True))
+        assert outputs[(f"wmtp {design}", tag)]["ids"] == clean_out, "the target read the draft's KV"
+    # With o_proj ×30 the draft is attention-dominated: large keys at either place move most proposals.
+    assert changed["window"] > len(clean) // 2 and changed["sink"] > len(clean) // 2, changed
+    print(f"read set inside: {changed} of {len(clean)} proposals changed", file=sys.stderr)
+
+
 # --------------------------------------------------------------------------------------------------
 # 3. Bound
 
 
 def _builds(records: dict[str, list[dict]]) -> list[dict]:
-    return [e for entries in records.values() for e in entries if e["kind"] == "build"]
+    # "off" hands the metadata through on purpose (the cell check's negative case).
+    return [e for tag, entries in records.items() if tag != "off" for e in entries if e["kind"] == "build"]
 
 
 @pytest.mark.engine
@@ -744,6 +883,18 @@ def test_draft_table_and_seq_lens_are_bounded_and_exact(engines, server_run):
             assert length == win.windowed_seq_len(seq, query, sink, window, block)
             assert kept_ids == [full[j] for j in win.kept_blocks(seq, query, sink, window, block)]
             windowed += length < seq
+        # The host copies and derived lengths the draft's builders read agree with the windowed lengths.
+        lengths, bound = b["lengths"], win.seq_len_bound(b["max_query_len"], sink, window, block)
+        assert lengths["seq_lens"] == b["windowed_seq_lens"]
+        assert max(b["windowed_seq_lens"]) <= lengths["max_seq_len"] <= bound
+        if lengths["seq_lens_cpu_upper_bound"] is not None:
+            upper = lengths["seq_lens_cpu_upper_bound"][: len(b["windowed_seq_lens"])]
+            assert all(w <= u for w, u in zip(b["windowed_seq_lens"], upper, strict=True)), (upper, b)
+            if b["windowed_seq_lens"] != b["seq_lens"]:
+                assert max(upper) <= bound
+        computed = lengths["num_computed_tokens"][: len(b["windowed_seq_lens"])]
+        assert computed == [w - q for w, q in zip(b["windowed_seq_lens"], b["query_lens"], strict=True)]
+        assert not set(b["set_fields"]) & set(hp.REFUSED_FIELDS) and not hp.unclassified_fields(b["set_fields"])
     assert windowed > 0
     # Draft steps after the first (one query token) get one table width at every context length.
     for window_cfg in WINDOWS:
@@ -751,6 +902,44 @@ def test_draft_table_and_seq_lens_are_bounded_and_exact(engines, server_run):
             b["table_width"] for b in builds if (b["sink"], b["window"]) == window_cfg and b["max_query_len"] == 1
         }
         assert len(widths) == 1, (window_cfg, widths)
+
+
+# --------------------------------------------------------------------------------------------------
+# Proof at run time: the plugin's counters, as the cell checks them
+
+
+@pytest.mark.engine
+def test_the_cell_check_fails_a_hook_that_never_windows(engines):
+    from wmtp.engines.vllm import verify_windowed
+    from wmtp.plugin import stats
+
+    sink, window = WINDOWS[0]
+    cell = SimpleNamespace(arm="wmtp", sink=sink, window=window, k=K)
+    protocol = SimpleNamespace(rungs=[POISON_LENGTH])
+    off = {stats.ENV: engines["stats_dirs"]["off"]}
+    with pytest.raises(stats.WindowNotApplied) as err:
+        verify_windowed(off, cell, protocol)
+    message = str(err.value)
+    assert message.startswith("the windowed draft never ran: prompts of up to 1100 tokens exceed S + W = 144")
+    assert " 0 of " in message and "draft forwards windowed" in message and "wmtp plugin (pid" in message
+    on = verify_windowed({stats.ENV: engines["stats_dirs"][f"wmtp {WINDOWS[0]}"]}, cell, protocol)["wmtp_plugin"]
+    assert on["windowed_forwards"] > 0 and on["blocks_skipped"] > 0
+    print(f"hook off: {message}", file=sys.stderr)
+
+
+@pytest.mark.engine
+def test_the_servers_counters_prove_the_window_and_name_the_effective_s_and_w(server_run):
+    summary = server_run["verified"]["wmtp_plugin"]
+    block = summary["block_size"]
+    assert summary["proposers"] == 1 and summary["windowed_forwards"] > 0 and summary["blocks_skipped"] > 0
+    assert summary["sink_tokens"] == -(-WINDOWS[0][0] // block) * block
+    assert (summary["window_tokens_min"], summary["window_tokens_max"]) == (WINDOWS[0][1], WINDOWS[0][1] + block - 1)
+    # The worker is killed at the stop, so the last report may predate the longest request.
+    assert summary["longest_context"] >= PROMPT_LENGTHS[1]
+    # S = 16 is no multiple of the block size: the start-up warning names what the draft reads.
+    warning = [line for line in server_run["log"].splitlines() if "not both multiples of the KV block size" in line]
+    assert len(warning) == 1 and f"sink of {summary['sink_tokens']} tokens" in warning[0], warning
+    print(f"server: {summary['messages']}", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -788,7 +977,7 @@ def test_server_loads_plugin_logs_once_and_leaves_nothing(server_run, engines):
 
     assert not group_alive(server_run["pgid"]), "the server's process group outlived the test"
     # In process: each windowed engine logs once; none and mtp stay silent and record nothing.
-    assert engines["log"].count(ACTIVE_LINE) == len(WINDOWS) + 2
+    assert engines["log"].count(ACTIVE_LINE) == len(WINDOWS) + 3  # and "off"
     assert not [tag for tag in engines["records"] if tag.startswith(("none", "mtp"))]
     # A configuration the plugin cannot honour stops the engine at start-up, naming the setting.
     refusal = engines["timings"]["ring"]["error"]

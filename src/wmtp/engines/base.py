@@ -59,6 +59,11 @@ class EngineAdapter(ABC):
         """Refuse a cell before its server starts (raise with the reason); accept by default."""
         return None
 
+    def verify_cell(self, run_dir: Path, server_env: Mapping[str, str], cell: Any, protocol: Any) -> dict[str, Any]:
+        """After the sweep, with the server stopped: prove the cell ran what it is labelled (raise with the
+        reason if not); what it returns is merged into the manifest. Nothing to prove by default."""
+        return {}
+
     def request_fields(self, extensions: Mapping[str, Any]) -> dict[str, Any]:
         """Columns of requests.parquet taken from a response's non-OpenAI fields."""
         return {}

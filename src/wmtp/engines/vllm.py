@@ -6,8 +6,10 @@ import json
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from wmtp.engines.base import EngineAdapter, ServeRequest
+from wmtp.plugin import stats as plugin_stats
 
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
@@ -78,7 +80,24 @@ def server_env(engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path) -> 
     env.setdefault("TMPDIR", str(tmp_dir))
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
+    # Where the plugin reports what it windowed: the cell's own temporary directory (a container mounts it at
+    # the same path), so no other cell's counters can be read as this one's.
+    env[plugin_stats.ENV] = str(tmp_dir / "wmtp-stats")
     return env
+
+
+def verify_windowed(server_env: Mapping[str, str], cell: Any, protocol: Any) -> dict[str, Any]:
+    """A wmtp cell's plugin counters; raises ``WindowNotApplied`` when the window never ran.
+
+    The manifest gets the requested S and W, the effective (block-rounded) sink and window the plugin
+    reports, and its counts of windowed draft forwards and skipped KV blocks.
+    """
+    if cell.arm != "wmtp":
+        return {}
+    directory = server_env.get(plugin_stats.ENV)
+    found = plugin_stats.read(directory)
+    summary = plugin_stats.check(found, max(protocol.rungs), cell.sink, cell.window, cell.k, directory)
+    return {"wmtp_plugin": {"requested_sink": cell.sink, "requested_window": cell.window, **summary}}
 
 
 def parse_samples(text: str, prefix: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -153,3 +172,6 @@ class VLLMAdapter(EngineAdapter):
 
     def read_counters(self, base_url: str) -> dict[str, float]:
         return read_counters(base_url)
+
+    def verify_cell(self, run_dir: Path, server_env: Mapping[str, str], cell: Any, protocol: Any) -> dict[str, Any]:
+        return verify_windowed(server_env, cell, protocol)

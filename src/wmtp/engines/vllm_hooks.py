@@ -73,6 +73,15 @@ def _check_fields(fields: set[str], version: str) -> None:
             f"vLLM {version}: {hp.METADATA_MODULE}.{hp.METADATA_CLASS} has no field "
             f"{missing[0]} (missing: {missing}); the wmtp plugin replaces it"
         )
+    unknown = hp.unclassified_fields(fields)
+    if unknown:
+        # A new length or position field that the windowed copy does not update would reach the draft's
+        # kernel with its full-context value: decide about it in wmtp.plugin.hookpoints first.
+        raise HookPointError(
+            f"vLLM {version}: {hp.METADATA_MODULE}.{hp.METADATA_CLASS} has fields {unknown} that the wmtp "
+            "plugin neither windows, keeps nor refuses (wmtp.plugin.hookpoints.WINDOWED_FIELDS, KEPT_FIELDS, "
+            "REFUSED_FIELDS)"
+        )
 
 
 def _plugin_entry_points() -> list[str]:
@@ -130,6 +139,7 @@ def check_hook_points(deep: bool = False) -> dict:
         "metadata": f"{hp.METADATA_MODULE}.{hp.METADATA_CLASS}",
         "metadata_file": str(metadata_path),
         "metadata_fields": list(hp.METADATA_FIELDS),
+        "metadata_fields_all": sorted(fields),
         "proposers_overriding_method": overriding,
         "plugin_entry_points": _plugin_entry_points(),
     }

@@ -559,6 +559,9 @@ def run_cell(run: CellRun) -> Path:
                 server, container_stop = _start_server(run, engine, staging, cache_dir, short_tmp, manifest)
                 _sweep(run, meter, server.base_url, cell.model, factory, engine)
             manifest["exit_status"] = server.stop()
+            # After the stop, so the engine's last reports are written; a cell that did not run what its
+            # arm says fails here, with the engine's reason.
+            manifest.update(engine.verify_cell(staging, server.env, cell, study.protocol))
         manifest["gpu_at_end"] = meter.info()
         manifest["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         manifest["duration_s"] = round(time.monotonic() - started, 1)

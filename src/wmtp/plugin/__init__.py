@@ -5,7 +5,10 @@ in every vLLM process: API server, EngineCore and workers. ``register()`` only i
 the proposer module (``vllm.v1.spec_decode.llm_base_proposer``) is patched when it is first imported,
 which happens in the worker only. The patched proposer reads its settings from
 ``--additional-config '{"wmtp": {"sink": S, "window": W, "ring": false}}'`` and does nothing when that
-key is absent. The target still verifies with full context, so the output is unchanged.
+key is absent. The target still verifies with full context, so the output is unchanged. Model Runner V2
+(``vllm.v1.worker.gpu.model_runner``), whose speculators bypass that proposer, is patched the same way to
+refuse a wmtp-configured engine (``wmtp.plugin.runner``). What the draft windowed is counted and reported
+to the cell (``wmtp.plugin.stats``).
 """
 
 from __future__ import annotations
@@ -14,12 +17,20 @@ import importlib.abc
 import sys
 from types import ModuleType
 
-from wmtp.plugin.hookpoints import PROPOSER_MODULE
+from wmtp.plugin.hookpoints import PROPOSER_MODULE, V2_RUNNER_MODULE
+
+# Modules patched when first imported: the proposer (windowed) and Model Runner V2 (refused when configured).
+PATCHED_MODULES = (PROPOSER_MODULE, V2_RUNNER_MODULE)
 
 _registered = False
 
 
 def _on_import(module: ModuleType) -> None:
+    if module.__name__ == V2_RUNNER_MODULE:
+        from wmtp.plugin import runner
+
+        runner.patch(module)
+        return
     from wmtp.plugin import hook
 
     hook.patch(module)
@@ -43,12 +54,12 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 class ProposerImportHook(importlib.abc.MetaPathFinder):
-    """Finds the proposer module through the other finders and wraps its loader."""
+    """Finds the patched modules through the other finders and wraps their loaders."""
 
     wmtp_import_hook = True
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != PROPOSER_MODULE:
+        if fullname not in PATCHED_MODULES:
             return None
         for finder in sys.meta_path:
             if getattr(finder, "wmtp_import_hook", False) or not hasattr(finder, "find_spec"):
@@ -67,8 +78,9 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    module = sys.modules.get(PROPOSER_MODULE)
-    if module is not None:
-        _on_import(module)
+    for name in PATCHED_MODULES:
+        module = sys.modules.get(name)
+        if module is not None:
+            _on_import(module)
     if not any(getattr(finder, "wmtp_import_hook", False) for finder in sys.meta_path):
         sys.meta_path.insert(0, ProposerImportHook())

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from wmtp.plugin import hookpoints as hp
+from wmtp.plugin import stats as wstats
 from wmtp.plugin import testing
 from wmtp.plugin import window as win
 from wmtp.plugin.hookpoints import HookPointError
@@ -35,13 +36,23 @@ def window_metadata(cm: Any, config: win.WindowConfig, block_size: int) -> Any:
     ``seq_lens_cpu_upper_bound`` (new tensors: ``propose()`` later mutates the originals in place),
     ``max_seq_len`` (a bound that no longer grows with the context) and the cached
     ``num_computed_tokens``. The slot mapping, ``query_start_loc`` and the positions stay: KV writes
-    and the per-step slot update go through the full table.
+    and the per-step slot update go through the full table (``hookpoints.WINDOWED_FIELDS`` and
+    ``KEPT_FIELDS``).
     """
+    return windowed_with_drops(cm, config, block_size)[0]
+
+
+def windowed_with_drops(cm: Any, config: win.WindowConfig, block_size: int) -> tuple[Any, Any | None]:
+    """``window_metadata`` and the per-row count of dropped blocks (a device tensor; None when handed through)."""
     sink, window = config.sink, config.window
     if not win.needs_window(cm.max_seq_len, sink, window):
-        return cm
-    if cm.dcp_local_seq_lens is not None:
-        raise NotImplementedError("wmtp: decode context parallelism (dcp_local_seq_lens) is not supported")
+        return cm, None
+    for name in hp.REFUSED_FIELDS:
+        if getattr(cm, name, None) is not None:
+            raise NotImplementedError(
+                f"wmtp: the draft's attention metadata sets {name}, which indexes keys by their logical "
+                "position; windowing shifts those positions, so wmtp does not support it"
+            )
     seq_lens = cm.seq_lens
     n = seq_lens.shape[0]
     query_start = cm.query_start_loc
@@ -64,19 +75,22 @@ def window_metadata(cm: Any, config: win.WindowConfig, block_size: int) -> Any:
 
     bound = win.seq_len_bound(cm.max_query_len, sink, window, block_size)
     upper = cm.seq_lens_cpu_upper_bound
-    return dataclasses.replace(
+    windowed = dataclasses.replace(
         cm,
         block_table_tensor=new_table,
         seq_lens=new_seq_lens,
         max_seq_len=min(cm.max_seq_len, bound),
+        # Still an upper bound of every windowed length: each is at most its full length and at most bound.
         seq_lens_cpu_upper_bound=None if upper is None else upper.clamp(max=bound),
         _num_computed_tokens_cache=None,
     )
+    return windowed, drop
 
 
 @dataclasses.dataclass
 class _State:
     config: win.WindowConfig
+    stats: wstats.DraftStats
     logged: bool = False
 
 
@@ -111,7 +125,7 @@ def _wrap_init(original, problem: str | None):
         if problem is not None:
             raise _refuse(problem)
         _check_instance(self)
-        setattr(self, STATE_ATTR, _State(config))
+        setattr(self, STATE_ATTR, _State(config, wstats.DraftStats(config.sink, config.window, hp.vllm_version())))
         testing.install(self)
 
     setattr(__init__, _ORIGINAL, original)
@@ -127,21 +141,43 @@ def _wrap_build(original):
             block_size = getattr(self, hp.BLOCK_SIZE_ATTR)
             if not state.logged:
                 state.logged = True
-                log.info(
-                    "wmtp: windowed MTP draft active: sink S=%d, window W=%d, KV block size %d "
-                    "(sink %d block(s); window at least W tokens, block-aligned)",
-                    config.sink,
-                    config.window,
-                    block_size,
-                    win.sink_blocks(config.sink, block_size),
-                )
-            windowed = window_metadata(common_attn_metadata, config, block_size)
+                _log_start(config, block_size)
+            if testing.skip_window():
+                windowed, dropped = common_attn_metadata, None
+            else:
+                windowed, dropped = windowed_with_drops(common_attn_metadata, config, block_size)
+            cm = common_attn_metadata
+            state.stats.record(config.sink, config.window, block_size, cm.max_seq_len, cm.max_query_len, dropped)
             testing.observe(self, common_attn_metadata, windowed, config, block_size)
             common_attn_metadata = windowed
         return original(self, common_attn_metadata, *args, **kwargs)
 
     setattr(build_per_group_and_layer_attn_metadata, _ORIGINAL, original)
     return build_per_group_and_layer_attn_metadata
+
+
+def _log_start(config: win.WindowConfig, block_size: int) -> None:
+    eff = wstats.effective(config.sink, config.window, block_size)
+    log.info(
+        "wmtp: windowed MTP draft active: sink S=%d, window W=%d, KV block size %d "
+        "(sink %d block(s); window at least W tokens, block-aligned)",
+        config.sink,
+        config.window,
+        block_size,
+        eff["sink_blocks"],
+    )
+    if config.sink % block_size or config.window % block_size:
+        # The study names S and W in tokens; with large blocks (hybrid models) the draft reads noticeably more.
+        log.warning(
+            "wmtp: S=%d and W=%d are not both multiples of the KV block size %d: the draft reads a sink of %d "
+            "tokens and a window of %d-%d tokens before each forward's queries",
+            config.sink,
+            config.window,
+            block_size,
+            eff["sink_tokens"],
+            eff["window_tokens_min"],
+            eff["window_tokens_max"],
+        )
 
 
 def _problem(module: ModuleType) -> str | None:
@@ -162,6 +198,9 @@ def _problem(module: ModuleType) -> str | None:
     missing = [name for name in hp.METADATA_FIELDS if name not in fields]
     if missing:
         return f"has no field {missing[0]} on {hp.METADATA_CLASS} (missing: {missing})"
+    unknown = hp.unclassified_fields(fields)
+    if unknown:
+        return f"has fields on {hp.METADATA_CLASS} that wmtp does not know how to window: {unknown}"
     return None
 
 

@@ -25,6 +25,53 @@ METADATA_FIELDS = (
     "dcp_local_seq_lens",
     "_num_computed_tokens_cache",
 )
+# Every field of CommonAttentionMetadata, by what windowing does to it. A field in none of these sets
+# (a new vLLM's) makes a configured proposer refuse to start and the engine build's self-check fail: a
+# length the plugin does not shrink would hand the draft's kernel a stale, full-context value.
+# Replaced on the windowed copy: the keys' side, lengths and the table that reads them.
+WINDOWED_FIELDS = (
+    "seq_lens",
+    "max_seq_len",
+    "seq_lens_cpu_upper_bound",
+    "block_table_tensor",
+    "_num_computed_tokens_cache",  # reset: recomputed from the windowed seq_lens
+)
+# Left as they are: they describe the queries (where they sit, where their KV is written), the batch, or
+# state that attention builders do not read.
+KEPT_FIELDS = (
+    "query_start_loc",
+    "query_start_loc_cpu",
+    "num_reqs",
+    "num_actual_tokens",
+    "max_query_len",
+    "slot_mapping",
+    "causal",
+    "logits_indices_padded",
+    "num_logits_indices",
+    "max_logits_per_req",
+    "encoder_seq_lens",  # cross-attention reads the encoder's own cache, never windowed
+    "encoder_seq_lens_cpu",
+    "positions",  # queries keep their true positions (keys are cached post-RoPE)
+    "is_prefilling",
+    "req_idx",
+    "replayssm_decode_base_cpu",  # recurrent-state origin for Mamba builders, not attention's
+    "_token_to_req_indices_cache",
+)
+# Refused when set: they index the keys by logical position, which windowing shifts.
+REFUSED_FIELDS = (
+    "dcp_local_seq_lens",
+    "dcp_local_seq_lens_cpu_upper_bound",
+    "rswa_prefix_lens",
+    "mm_req_doc_ranges",
+)
+
+
+def unclassified_fields(fields: list[str] | set[str]) -> list[str]:
+    """Fields of the installed CommonAttentionMetadata that the plugin has not decided about."""
+    known = set(WINDOWED_FIELDS) | set(KEPT_FIELDS) | set(REFUSED_FIELDS)
+    return sorted(name for name in fields if name not in known)
+
+
 # Set by SpecDecodeBaseProposer.initialize_attn_backend: the KV block size of the draft's group.
 BLOCK_SIZE_ATTR = "block_size"
 
@@ -54,3 +101,11 @@ def vllm_version() -> str:
         except md.PackageNotFoundError:
             continue
     return "unknown"
+
+
+# Model Runner V2 (vLLM's default on CUDA from about 0.29 where Triton is present) drafts through its own
+# speculators under vllm.v1.worker.gpu.spec_decode, never through PROPOSER_CLASS: the window would not
+# apply. The plugin wraps this class's __init__ to refuse a wmtp-configured engine there.
+V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+V2_RUNNER_CLASS = "GPUModelRunner"
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"

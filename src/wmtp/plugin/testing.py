@@ -4,9 +4,14 @@ The engine tests (tests/test_plugin_vllm.py) use them to keep server starts few 
 
 - ``control.json`` in that directory, re-read whenever it changes, overrides the window
   (``{"sink": S, "window": W}``) so that one server covers several (S, W); it also carries a
-  ``tag`` copied into every record, and optionally ``"poison": {"sink": S', "window": W'}``: before
-  each draft forward, the draft layer's KV blocks outside the sink ∪ window of (S', W') are
-  overwritten with large random values (the read-set proof: a draft that reads them changes);
+  ``tag`` copied into every record, and optionally ``"poison": {"sink": S', "window": W', "region": R}``:
+  before each draft forward, the draft layer's KV is overwritten with large random values, written
+  through the attention backend's own cache-write path (``do_kv_cache_update``) at the slots of
+  ``R = "outside"`` (default): the blocks the plugin drops for (S', W'), a draft that reads them changes;
+  ``R = "sink"``: the first S' tokens; ``R = "window"``: the W' tokens before the forward's first query
+  (both chosen by token position alone, so a window that failed to read them would show);
+  ``"skip_window": true`` makes the hooked build hand the metadata through unwindowed (a hook that
+  does nothing), so the cell's check of the plugin's counters can be shown to fail;
 - ``records.jsonl`` receives one line per windowed metadata build (full and windowed block tables
   and sequence lengths) and one per ``propose()`` call (the draft tokens).
 
@@ -15,6 +20,8 @@ Nothing here runs in a normal server: every entry point returns at once when the
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -56,6 +63,10 @@ def _record(entry: dict[str, Any]) -> None:
     entry["tag"] = _read_control().get("tag")
     with (directory / "records.jsonl").open("a") as out:
         out.write(json.dumps(entry) + "\n")
+
+
+def skip_window() -> bool:
+    return _dir() is not None and bool(_read_control().get("skip_window"))
 
 
 def config(default: win.WindowConfig) -> win.WindowConfig:
@@ -105,36 +116,69 @@ def observe(proposer: Any, full: Any, windowed: Any, config: win.WindowConfig, b
             "full_width": int(full.block_table_tensor.shape[1]),
             "full_blocks": rows(full.block_table_tensor, seq_lens),
             "windowed_blocks": rows(windowed.block_table_tensor, windowed_lens),
+            "lengths": _length_fields(windowed),
+            "set_fields": sorted(f.name for f in dataclasses.fields(windowed) if getattr(windowed, f.name) is not None),
         }
     )
     poison = _read_control().get("poison")
     if poison:
-        _poison(proposer, full, seq_lens, query_lens, int(poison["sink"]), int(poison["window"]), block_size)
+        spans = _poison_spans(poison, seq_lens, query_lens, block_size)
+        _poison(proposer, full, spans, block_size, poison.get("region", "outside"))
 
 
-def _poison(
-    proposer: Any, full: Any, seq_lens: list[int], query_lens: list[int], sink: int, window: int, block_size: int
-) -> None:
-    """Overwrite the draft layer's KV outside sink ∪ window of (sink, window) with large random values."""
+def _length_fields(cm: Any) -> dict[str, Any]:
+    """Every length-like value the windowed copy hands the draft's kernels, host and device copies."""
+    return {
+        "seq_lens": cm.seq_lens.tolist(),
+        "max_seq_len": cm.max_seq_len,
+        "seq_lens_cpu_upper_bound": None
+        if cm.seq_lens_cpu_upper_bound is None
+        else cm.seq_lens_cpu_upper_bound.tolist(),
+        # On a shallow copy: vLLM's own derivation, without caching it on metadata that may be shared.
+        "num_computed_tokens": copy.copy(cm).compute_num_computed_tokens().tolist(),
+    }
+
+
+def _poison_spans(
+    poison: dict[str, Any], seq_lens: list[int], query_lens: list[int], block_size: int
+) -> list[tuple[int, int]]:
+    """Per row, the token positions [start, end) to poison."""
+    sink, window, region = int(poison["sink"]), int(poison["window"]), poison.get("region", "outside")
+    spans = []
+    for length, query in zip(seq_lens, query_lens, strict=True):
+        first_query = length - query
+        if region == "sink":
+            spans.append((0, min(sink, first_query)))
+        elif region == "window":
+            spans.append((max(first_query - window, 0), first_query))
+        else:  # the blocks the plugin drops
+            n_sink = win.sink_blocks(sink, block_size)
+            drop = win.dropped_blocks(length, query, sink, window, block_size)
+            spans.append((n_sink * block_size, (n_sink + drop) * block_size))
+    return spans
+
+
+def _poison(proposer: Any, full: Any, spans: list[tuple[int, int]], block_size: int, region: str) -> None:
+    """Write large random keys and values at those positions through the draft layers' own cache writer."""
     import torch
 
-    n_sink = win.sink_blocks(sink, block_size)
-    blocks: list[int] = []
-    for r, (length, query) in enumerate(zip(seq_lens, query_lens, strict=True)):
-        drop = win.dropped_blocks(length, query, sink, window, block_size)
-        blocks += full.block_table_tensor[r, n_sink : n_sink + drop].tolist()
-    if not blocks:
+    table = full.block_table_tensor
+    slots = [
+        int(table[r, position // block_size]) * block_size + position % block_size
+        for r, (start, end) in enumerate(spans)
+        for position in range(start, end)
+    ]
+    if not slots:
         return
     context = proposer.vllm_config.compilation_config.static_forward_context
     generator = torch.Generator().manual_seed(0)
     for group in proposer.draft_attn_groups:
         for name in group.layer_names:
-            kv = context[name].kv_cache
-            if kv.dim() != 4:
-                raise NotImplementedError(f"poisoning knows the CPU KV layout only (got {tuple(kv.shape)})")
-            per_block = block_size // kv.shape[2]  # kernel blocks per KV block
-            for block in blocks:
-                target = kv[block * per_block : (block + 1) * per_block]
-                garbage = torch.randn(target.shape, generator=generator) * 30
-                target.copy_(garbage.to(device=target.device, dtype=target.dtype))
-    _record({"kind": "poison", "blocks": blocks})
+            layer = context[name]
+            kv = layer.kv_cache
+            slot_mapping = torch.tensor(slots, dtype=torch.int64, device=kv.device)
+            shape = (len(slots), layer.num_kv_heads, layer.head_size)
+            dtype = proposer.vllm_config.model_config.dtype  # what the layer hands its cache writer
+            key, value = ((torch.randn(shape, generator=generator) * 30).to(kv.device, dtype) for _ in range(2))
+            layer.impl.do_kv_cache_update(layer, key, value, kv, slot_mapping)
+    _record({"kind": "poison", "region": region, "spans": spans, "slots": len(slots)})

@@ -1,0 +1,216 @@
+"""What the windowed draft actually did, counted in the worker and read back by the cell.
+
+A wmtp cell must never pass with the window silently off: a vLLM whose runner bypasses the hooked
+proposer, a plugin that never loaded in the worker, or a hook that hands the metadata through would all
+give plain MTP numbers under a wmtp label. So each configured proposer counts its draft metadata builds
+and what it windowed, and writes them as JSON to ``$WMTP_PLUGIN_STATS_DIR/wmtp-stats-<pid>-<n>.json``
+(the vLLM adapter points the variable into the cell's temporary directory). The cell reads the files
+after its sweep (``check``) and fails when the longest context outgrew S + W but nothing was windowed.
+
+The file is written when the proposer starts, at the first windowed forward, then every 32 draft forwards
+or once a second, whichever comes first, and at exit (which a killed worker skips); the counts are
+therefore lower bounds, and the check compares only numbers from one and the same write. The number of
+dropped blocks is summed on the device and read back only when the file is written, so the draft's
+forward waits for the host at most that often.
+
+This module imports neither torch nor vLLM: the pipeline's side (``summarize``, ``check``) runs anywhere.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+ENV = "WMTP_PLUGIN_STATS_DIR"
+PREFIX = "wmtp-stats-"
+WRITE_EVERY_S = 1.0
+WRITE_EVERY_BUILDS = 32
+NEVER_RAN = "the windowed draft never ran"
+
+_instances = 0
+_live: list[DraftStats] = []
+
+
+class WindowNotApplied(RuntimeError):
+    """A wmtp cell's context outgrew S + W, but the plugin reports no windowed draft forward."""
+
+
+def effective(sink: int, window: int, block_size: int) -> dict[str, int]:
+    """What the draft reads after block rounding: the sink rounds up to whole blocks, the window starts at
+    a block boundary, so it covers W to W + B - 1 tokens before the forward's first query."""
+    n_sink = -(-sink // block_size)
+    return {
+        "block_size": block_size,
+        "sink_blocks": n_sink,
+        "sink_tokens": n_sink * block_size,
+        "window_tokens_min": window,
+        "window_tokens_max": window + block_size - 1,
+    }
+
+
+class DraftStats:
+    """Counters of one configured proposer; ``record`` is called once per draft metadata build."""
+
+    def __init__(self, sink: int, window: int, vllm_version: str) -> None:
+        global _instances
+        directory = os.environ.get(ENV)
+        self.path = Path(directory) / f"{PREFIX}{os.getpid()}-{_instances}.json" if directory else None
+        _instances += 1
+        self.sink, self.window, self.vllm_version = sink, window, vllm_version
+        self.block_size: int | None = None
+        self.builds = 0
+        self.windowed_forwards = 0
+        self.longest_context = 0
+        self.longest_decode_context = 0  # over forwards of one query token a request: p0 = seq_len - 1
+        self._skipped = None  # a device tensor: the sum of dropped blocks, read back only when written
+        self._skipped_host = 0
+        self._written_at = 0.0
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _live.append(self)
+            if len(_live) == 1:
+                atexit.register(_write_all)
+            self.write()
+
+    def record(
+        self, sink: int, window: int, block_size: int, max_seq_len: int, max_query_len: int, dropped: Any | None
+    ) -> None:
+        """One draft forward's metadata build; ``dropped`` is the per-row count of dropped blocks, or None
+        when the metadata was handed through (no context longer than S + W)."""
+        self.sink, self.window, self.block_size = sink, window, block_size
+        self.builds += 1
+        self.longest_context = max(self.longest_context, int(max_seq_len))
+        if max_query_len == 1:
+            self.longest_decode_context = max(self.longest_decode_context, int(max_seq_len))
+        first = False
+        if dropped is not None:
+            first = self.windowed_forwards == 0
+            self.windowed_forwards += 1
+            total = dropped.sum()
+            self._skipped = total if self._skipped is None else self._skipped + total
+        due = self.builds % WRITE_EVERY_BUILDS == 0 or time.monotonic() - self._written_at >= WRITE_EVERY_S
+        if self.path is not None and (first or due):
+            self.write()
+
+    def snapshot(self) -> dict[str, Any]:
+        if self._skipped is not None:
+            self._skipped_host = int(self._skipped)  # the only read-back, once per write
+        out: dict[str, Any] = {
+            "pid": os.getpid(),
+            "vllm_version": self.vllm_version,
+            "sink": self.sink,
+            "window": self.window,
+            "builds": self.builds,
+            "windowed_forwards": self.windowed_forwards,
+            "blocks_skipped": self._skipped_host,
+            "longest_context": self.longest_context,
+            "longest_decode_context": self.longest_decode_context,
+        }
+        if self.block_size is not None:
+            out.update(effective(self.sink, self.window, self.block_size))
+            out["tokens_skipped"] = self._skipped_host * self.block_size
+        out["message"] = describe(out)
+        return out
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        self._written_at = time.monotonic()
+        try:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.snapshot()))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # the counters are a proof for the cell, never a reason to stop drafting
+
+
+def _write_all() -> None:
+    for stats in _live:
+        stats.write()
+
+
+def describe(stats: Mapping[str, Any]) -> str:
+    """One line of what a proposer windowed, in the plugin's words."""
+    where = f"sink S={stats['sink']}, window W={stats['window']}"
+    if "block_size" in stats:
+        where += (
+            f", KV block size {stats['block_size']}: reads sink {stats['sink_tokens']} tokens and window "
+            f"{stats['window_tokens_min']}-{stats['window_tokens_max']} tokens"
+        )
+    return (
+        f"wmtp plugin (pid {stats['pid']}, vLLM {stats['vllm_version']}; {where}): "
+        f"{stats['windowed_forwards']} of {stats['builds']} draft forwards windowed, "
+        f"{stats['blocks_skipped']} KV blocks skipped, longest context {stats['longest_context']} tokens"
+    )
+
+
+def read(directory: Path | str | None) -> list[dict[str, Any]]:
+    """Every proposer's last written counters in ``directory`` (none when it is unset or missing)."""
+    if not directory or not Path(directory).is_dir():
+        return []
+    out = []
+    for path in sorted(Path(directory).glob(PREFIX + "*.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # a file replaced while read; the others still prove or disprove the window
+    return out
+
+
+def summarize(found: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The counters of every proposer of a server, summed, with the effective S and W they report."""
+    total: dict[str, Any] = {
+        "proposers": len(found),
+        "builds": sum(s["builds"] for s in found),
+        "windowed_forwards": sum(s["windowed_forwards"] for s in found),
+        "blocks_skipped": sum(s["blocks_skipped"] for s in found),
+        "longest_context": max((s["longest_context"] for s in found), default=0),
+        "longest_decode_context": max((s.get("longest_decode_context", 0) for s in found), default=0),
+    }
+    sized = [s for s in found if "block_size" in s]
+    if sized:
+        for key in ("block_size", "sink_blocks", "sink_tokens", "window_tokens_min", "window_tokens_max"):
+            total[key] = sized[0][key]
+        total["tokens_skipped"] = sum(s.get("tokens_skipped", 0) for s in sized)
+    total["messages"] = [s["message"] for s in found]
+    return total
+
+
+def check(
+    found: Sequence[Mapping[str, Any]], longest_prompt: int, sink: int, window: int, k: int, directory: str | None
+) -> dict[str, Any]:
+    """The summary of a windowed cell's counters; raises WindowNotApplied when the window never ran.
+
+    It never ran when the longest prompt exceeded S + W and no draft forward was windowed, or when the
+    plugin saw a decode step long enough that it must drop a block (beyond the rounded sink, one block and
+    W + k + 1 tokens, k for a ``max_seq_len`` that runs ahead under asynchronous drafting) and reports
+    none dropped. The second compares numbers of one write, so a report cut short cannot fail it.
+    """
+    total = summarize(found)
+    if longest_prompt <= sink + window:
+        return total
+    said = "; ".join(total["messages"]) or (
+        f"no wmtp counters in {directory}: no worker ran a proposer configured for wmtp "
+        "(the plugin did not load there, or this vLLM drafts without the hooked proposer)"
+        if directory
+        else f"${ENV} was not set for the server, so the plugin could not report"
+    )
+    if total["windowed_forwards"] == 0:
+        raise WindowNotApplied(
+            f"{NEVER_RAN}: prompts of up to {longest_prompt} tokens exceed S + W = {sink + window}, "
+            f"but no draft forward was windowed; {said}"
+        )
+    for one in found:
+        block = one.get("block_size")
+        must_drop = block and one["longest_decode_context"] - window - (k + 1) >= (-(-sink // block) + 1) * block
+        if must_drop and one["blocks_skipped"] == 0:
+            raise WindowNotApplied(
+                f"{NEVER_RAN}: decode steps at up to {one['longest_decode_context']} tokens must drop KV blocks "
+                f"between the sink and the window, but none was dropped; {one['message']}"
+            )
+    return total

@@ -1,0 +1,162 @@
+"""The plugin's run-time counters and the cell's check of them, without an engine.
+
+The engine tests (tests/test_plugin_vllm.py) show the same check on the real plugin's counters: passing
+for a windowed engine and a real server, failing for an engine whose hook hands the metadata through.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from wmtp.engines import vllm as vllm_adapter
+from wmtp.plugin import stats
+
+
+class _Drops:
+    """Stands in for the per-row tensor of dropped blocks (summed on the device in the plugin)."""
+
+    def __init__(self, *rows: int):
+        self.rows = rows
+
+    def sum(self) -> int:
+        return sum(self.rows)
+
+
+def _cell(arm: str = "wmtp", sink: int = 16, window: int = 128, k: int = 3):
+    return SimpleNamespace(arm=arm, sink=sink, window=window, k=k)
+
+
+def _protocol(*rungs: int):
+    return SimpleNamespace(rungs=list(rungs))
+
+
+def _stats_dir(tmp_path: Path, monkeypatch, *forwards: tuple[int, _Drops | None]) -> Path:
+    """Counters written by a proposer that saw these (max_seq_len, dropped) forwards of one query token."""
+    directory = tmp_path / "wmtp-stats"
+    monkeypatch.setenv(stats.ENV, str(directory))
+    counter = stats.DraftStats(16, 128, "9.9.9")
+    for max_seq_len, dropped in forwards:
+        counter.record(16, 128, 128, max_seq_len, 1, dropped)
+    counter.write()
+    return directory
+
+
+def test_counts_and_effective_window_reach_the_manifest(tmp_path, monkeypatch):
+    directory = _stats_dir(tmp_path, monkeypatch, (100, None), (1100, _Drops(5, 0)), (1101, _Drops(6)))
+    out = vllm_adapter.verify_windowed({stats.ENV: str(directory)}, _cell(), _protocol(256, 1100))
+    summary = out["wmtp_plugin"]
+    assert (summary["requested_sink"], summary["requested_window"]) == (16, 128)
+    assert summary["builds"] == 3 and summary["windowed_forwards"] == 2
+    assert summary["blocks_skipped"] == 11 and summary["tokens_skipped"] == 11 * 128
+    # S = 16 rounds up to one 128-token block; the window starts at a block boundary.
+    assert (summary["sink_tokens"], summary["window_tokens_min"], summary["window_tokens_max"]) == (128, 128, 255)
+    assert summary["longest_context"] == 1101
+    assert "2 of 3 draft forwards windowed" in summary["messages"][0]
+
+
+def test_a_window_that_never_ran_fails_the_cell_with_the_plugins_message(tmp_path, monkeypatch):
+    directory = _stats_dir(tmp_path, monkeypatch, (1100, None), (1101, None))
+    with pytest.raises(stats.WindowNotApplied) as err:
+        vllm_adapter.verify_windowed({stats.ENV: str(directory)}, _cell(), _protocol(1100))
+    message = str(err.value)
+    assert message.startswith("the windowed draft never ran: prompts of up to 1100 tokens exceed S + W = 144")
+    assert "0 of 2 draft forwards windowed" in message and "vLLM 9.9.9" in message
+
+
+def test_no_counters_at_all_fail_and_say_where_they_were_looked_for(tmp_path):
+    with pytest.raises(stats.WindowNotApplied, match=r"no wmtp counters in .*nothing-here"):
+        vllm_adapter.verify_windowed({stats.ENV: str(tmp_path / "nothing-here")}, _cell(), _protocol(1100))
+    with pytest.raises(stats.WindowNotApplied, match="WMTP_PLUGIN_STATS_DIR was not set"):
+        vllm_adapter.verify_windowed({}, _cell(), _protocol(1100))
+
+
+def test_windowed_forwards_without_a_dropped_block_fail_where_one_must_drop(tmp_path, monkeypatch):
+    directory = _stats_dir(tmp_path, monkeypatch, (1100, _Drops(0)))
+    with pytest.raises(stats.WindowNotApplied, match="decode steps at up to 1100 tokens must drop KV blocks"):
+        vllm_adapter.verify_windowed({stats.ENV: str(directory)}, _cell(), _protocol(1100))
+    # Just past S + W no block has to drop (the sink rounds to a whole block, the window starts at one).
+    short = _stats_dir(tmp_path / "short", monkeypatch, (300, _Drops(0)))
+    assert vllm_adapter.verify_windowed({stats.ENV: str(short)}, _cell(), _protocol(1100))
+
+
+def test_short_contexts_and_other_arms_need_no_proof(tmp_path):
+    assert vllm_adapter.verify_windowed({}, _cell(), _protocol(100, 144))["wmtp_plugin"]["proposers"] == 0
+    for arm in ("none", "mtp"):
+        assert vllm_adapter.verify_windowed({}, _cell(arm), _protocol(100_000)) == {}
+
+
+def test_the_server_env_names_a_stats_dir_inside_the_cells_tmp(tmp_path):
+    env = vllm_adapter.server_env({stats.ENV: "/shared"}, tmp_path / "work", tmp_path / "tmp")
+    assert env[stats.ENV] == str(tmp_path / "tmp" / "wmtp-stats")
+
+
+def test_without_the_variable_the_plugin_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv(stats.ENV, raising=False)
+    counter = stats.DraftStats(0, 64, "9.9.9")
+    counter.record(0, 64, 16, 1000, 1, _Drops(3))
+    assert counter.path is None and counter.snapshot()["blocks_skipped"] == 3
+
+
+def test_run_cell_fails_a_wmtp_cell_whose_window_never_ran(tmp_path, tiny_tokenizer, monkeypatch):
+    """The cell calls the adapter's check after the sweep: failure.json carries the plugin's message."""
+    from test_sglang import FAKE_SITE, _probe
+
+    from wmtp.config import study_from_dict
+    from wmtp.engines.sglang import SGLangAdapter
+    from wmtp.measure.cell import CellRun, run_cell
+
+    # The SGLang stand-in server serves the cell; the check is vLLM's, reading an empty stats dir.
+    empty = tmp_path / "stats"
+    empty.mkdir()
+    monkeypatch.setattr(
+        SGLangAdapter,
+        "verify_cell",
+        lambda self, run_dir, env, cell, protocol: vllm_adapter.verify_windowed(
+            {stats.ENV: str(empty)}, cell, protocol
+        ),
+        raising=False,
+    )
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    shutil.copy(tiny_tokenizer, model_dir / "tokenizer.json")
+    raw = {
+        "study": "sg",
+        "results_dir": str(tmp_path / "results"),
+        "engines": [
+            {
+                "name": "sg",
+                "kind": "sglang",
+                "device": "cuda",
+                "source": "python",
+                "python": sys.executable,
+                "env": {"PYTHONPATH": str(FAKE_SITE)},
+            }
+        ],
+        "models": [{"name": "m", "path": str(model_dir), "max_model_len": 4096}],
+        "arms": [{"name": "wmtp", "k": [3], "sink": [4], "window": [64]}],
+        "protocol": {
+            "rungs": [160],
+            "repeats": 1,
+            "output_tokens": 5,
+            "warmup_requests": 0,
+            "health_timeout_s": 60,
+            "request_timeout_s": 60,
+        },
+    }
+    study = study_from_dict(raw, base_dir=tmp_path)
+    manifest = {"python": sys.executable, "engine": "sg", "kind": "sglang", "source": "python"}
+    manifest["versions"] = _probe(FAKE_SITE)
+    (cell,) = study.cells()
+    out = tmp_path / "results" / "sg" / "raw" / cell.cell_id
+    with pytest.raises(stats.WindowNotApplied, match="the windowed draft never ran"):
+        run_cell(CellRun(study=study, cell=cell, out_dir=out, engine_manifest=manifest, model_dir=model_dir))
+    failure = json.loads((out / "failure.json").read_text())
+    assert failure["error"] == "WindowNotApplied"
+    assert failure["message"].startswith("the windowed draft never ran: prompts of up to 160 tokens exceed S + W = 68")
+    assert not (out / "manifest.json").exists()

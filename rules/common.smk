@@ -10,6 +10,7 @@ from snakemake.utils import validate
 
 from wmtp import layout
 from wmtp.config import ConfigError, resolved_study_json, study_from_dict
+from wmtp.model.hub import DOWNLOAD_MANIFEST
 from wmtp.measure.identity import cell_identity, cell_study, identity_hash
 from wmtp.engines.build import engine_python, spec_hash
 
@@ -87,10 +88,18 @@ def tiny_builder_engine():
     return STUDY.engines[0].name
 
 
+# Checkpoints that rule `model` fetches from the Hub, by their path.
+FETCHED = {m.path: m for m in STUDY.models if m.hf_id and m.path}
+
+
 def model_files(model_name):
-    """What a cell needs of its model: generated models are rule outputs, local ones must exist."""
-    if STUDY.model(model_name).generate:
+    """What a cell needs of its model: generated models and fetched checkpoints are rule outputs (a fetched
+    one by its download record); other local ones must exist."""
+    model = STUDY.model(model_name)
+    if model.generate:
         return [MODELS / model_name / "config.json", MODELS / model_name / "tokenizer.json"]
+    if model.path in FETCHED:
+        return [f"{model.path}/{DOWNLOAD_MANIFEST}"]
     return []
 
 

@@ -76,9 +76,6 @@ rule train_tiny:
 # Checkpoints on the Hugging Face Hub: a model with hf_id and path is fetched into path at its pinned revision
 # (wmtp.model.hub), its files' sha256 recorded in wmtp-download.json next to them; one that already matches its
 # record is not fetched again. A download runs where Snakemake runs (on a cluster, a login node has the network).
-from wmtp.model.hub import DOWNLOAD_MANIFEST
-
-FETCHED = {m.path: m for m in STUDY.models if m.hf_id and m.path}
 
 
 rule model:
@@ -100,12 +97,3 @@ rule model:
     shell:
         "{params.py} -m wmtp.model.hub --hf-id {params.hf_id:q} --revision {params.revision:q} "
         "--out {wildcards.model_path:q} --log {log:q}"
-
-
-# A cell also needs the download record of a checkpoint that rule `model` fetches (common.smk's model_files knows
-# generated and local checkpoints only).
-FETCHED_RECORDS = {m.name: f"{m.path}/{DOWNLOAD_MANIFEST}" for m in FETCHED.values()}
-_model_files_without_fetch = model_files
-model_files = lambda name: (
-    [FETCHED_RECORDS[name]] if name in FETCHED_RECORDS else _model_files_without_fetch(name)
-)

@@ -64,15 +64,15 @@ def _job_counts(output: str) -> dict[str, int]:
 def test_paper_1m_dry_run(tmp_path):
     raw = _placeholders(yaml.safe_load((REPO / "config" / "studies" / "paper-1m.yaml").read_text()), tmp_path)
     assert max(raw["protocol"]["rungs"]) == 1_048_576
-    assert {a["name"] for a in raw["arms"]} == {"mtp", "wmtp"} and len(raw["protocol"]["concurrency"]) > 1
+    assert {a["name"] for a in raw["arms"]} == {"none", "mtp", "wmtp"} and len(raw["protocol"]["concurrency"]) > 1
     assert [e["kind"] for e in raw["engines"]] == ["sglang"] and raw["engines"][0]["device"] == "cuda"
     assert all(m.get("hf_id") for m in raw["models"]) and len(raw["models"]) == 3
     config = tmp_path / "paper-1m.yaml"
     config.write_text(yaml.safe_dump(raw))
     proc, _, _ = _dry_run(config)
     counts = _job_counts(proc.stdout)
-    # 3 models × (mtp: 3 k + wmtp: 3 k × 1 sink × 1 window) × 2 concurrencies.
-    assert counts["cell"] == 36 and counts["engine"] == 1 and counts["report"] == 1
+    # 3 models × (none + mtp: 3 k + wmtp: 3 k × 1 sink × 1 window) × 2 concurrencies.
+    assert counts["cell"] == 42 and counts["engine"] == 1 and counts["report"] == 1
     assert "--speculative-algorithm" not in proc.stdout  # the server argv is built when a cell runs, not in the DAG
 
 

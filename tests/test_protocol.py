@@ -121,9 +121,8 @@ PAPER_PROTOCOL = {
     "engine": ("sglang", "cuda"),
     "families": {"qwen3.6-35b-a3b": "GDN", "qwen3.5-122b-a10b-fp8": "GDN", "nemotron-3-super-120b-a12b-fp8": "Mamba2"},
     "sizes": ["35B", "122B", "120B"],
-    # Native against windowed MTP. Its "slower than no speculation" floor is left to the user (a `none` arm, noted
-    # in the study file).
-    "arms": {"mtp", "wmtp"},
+    # Native against windowed MTP, and no speculation: the paper says native MTP at 1M is slower than none.
+    "arms": {"none", "mtp", "wmtp"},
     "window and sink on the draft only": True,
     "longest rung": 1048576,
     "hard, low-acceptance workload": True,

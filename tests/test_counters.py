@@ -45,3 +45,11 @@ def test_delta_and_reset():
     assert delta({"drafts": 2.0}, {"drafts": 5.0, "accepted": 1.0}) == {"accepted": 1.0, "drafts": 3.0}
     with pytest.raises(CounterReset, match="drafts went backwards"):
         delta({"drafts": 5.0}, {"drafts": 1.0})
+
+
+def test_vllm_servers_run_every_arm_on_the_runner_the_plugin_hooks(tmp_path):
+    from wmtp.engines.vllm import server_env
+
+    env = server_env({"HF_HUB_OFFLINE": "1"}, tmp_path / "work", tmp_path / "t")
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["HF_HUB_OFFLINE"] == "1"
+    assert server_env({"VLLM_USE_V2_MODEL_RUNNER": "1"}, tmp_path, tmp_path)["VLLM_USE_V2_MODEL_RUNNER"] == "1"

@@ -80,6 +80,10 @@ def server_env(engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path) -> 
     env.setdefault("TMPDIR", str(tmp_dir))
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
+    # Every arm on the model runner the plugin hooks: vLLM's Model Runner V2 (CUDA, where Triton is present)
+    # drafts through its own speculators, never the windowed proposer, so the plugin refuses it; none and mtp
+    # run on the same runner as wmtp so that the arms differ only in the draft. The env is in the manifest.
+    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     # Where the plugin reports what it windowed: the cell's own temporary directory (a container mounts it at
     # the same path), so no other cell's counters can be read as this one's.
     env[plugin_stats.ENV] = str(tmp_dir / "wmtp-stats")

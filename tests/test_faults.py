@@ -149,15 +149,17 @@ def faults(tmp_path_factory, engine_python):
     return {"tmp": tmp, "study": study, "raw": raw, "results": results, "cell_dir": cell_dir, "facts": facts}
 
 
-def test_a_killed_cell_leaves_no_server_process(faults):
+def test_a_killed_cell_leaves_no_server_process(faults, record_property):
     facts = faults["facts"]
+    record_property("seconds_until_the_server_group_was_gone", facts["a_gone_s"])
     assert facts["a_rc"] != 0
     assert facts["a_gone_s"] is not None, f"a server process outlived its killed cell by {KILL_BUDGET_S} s"
     assert "manifest.json" not in facts["a_files"]
 
 
-def test_ctrl_c_stops_the_cell_within_seconds_and_records_why(faults):
+def test_ctrl_c_stops_the_cell_within_seconds_and_records_why(faults, record_property):
     facts = faults["facts"]
+    record_property("seconds_until_the_server_group_was_gone", facts["b_gone_s"])
     assert facts["b_rc"] != 0
     assert facts["b_gone_s"] is not None, f"the server outlived Ctrl-C by {INTERRUPT_BUDGET_S} s"
     assert facts["b_failure"], "an interrupted cell leaves failure.json"

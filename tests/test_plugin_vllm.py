@@ -611,13 +611,12 @@ def _engines(random_model: Path, zero_model: Path) -> list[dict]:
             "requests": [{"length": POISON_LENGTH, "tag": "off", "skip_window": True}],
         }
     )
-    # Last: a configuration the plugin refuses at start-up (the ring buffer is phase 2).
+    # Last: a configuration the plugin refuses at start-up (a window of no tokens).
     engines.append(
         {
-            "name": "ring",
+            "name": "refused",
             "arm": "wmtp",
-            "window": WINDOWS[0],
-            "ring": True,
+            "window": (WINDOWS[0][0], 0),
             "model": str(zero_model),
             "requests": [],
             "expect_error": True,
@@ -980,6 +979,6 @@ def test_server_loads_plugin_logs_once_and_leaves_nothing(server_run, engines):
     assert engines["log"].count(ACTIVE_LINE) == len(WINDOWS) + 3  # and "off"
     assert not [tag for tag in engines["records"] if tag.startswith(("none", "mtp"))]
     # A configuration the plugin cannot honour stops the engine at start-up, naming the setting.
-    refusal = engines["timings"]["ring"]["error"]
-    assert "--additional-config wmtp.ring = true" in refusal + engines["log"], refusal
+    refusal = engines["timings"]["refused"]["error"]
+    assert "--additional-config wmtp.window must be an integer ≥ 1" in refusal + engines["log"], refusal
     print({"in_process": engines["timings"], "server": server_run["timings"]}, file=sys.stderr)

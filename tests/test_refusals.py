@@ -41,13 +41,19 @@ def checkpoint(directory: Path, config: dict) -> Path:
 # --- wmtp-ring on vLLM -------------------------------------------------------------------------------
 
 
-def test_ring_arm_on_a_vllm_engine_is_refused(embedded_raw):
+def test_ring_arm_on_a_vllm_engine_runs_without_prefix_caching(embedded_raw):
     embedded_raw["arms"].append({"name": "wmtp-ring", "k": [3], "sink": [16], "window": [256]})
+    assert "wmtp-ring" in {c.arm for c in study_from_dict(embedded_raw).cells()}
+
+
+def test_ring_arm_on_a_vllm_engine_with_prefix_caching_is_refused(embedded_raw):
+    embedded_raw["arms"].append({"name": "wmtp-ring", "k": [3], "sink": [16], "window": [256]})
+    embedded_raw["models"][0].setdefault("serve_args", []).append("--enable-prefix-caching")
     refused(
         embedded_raw,
-        "config: arms[3].name 'wmtp-ring' cannot run on engines[0] 'vllm-cpu' (vllm)",
-        "does not implement the draft's own S+W ring buffer",
-        "use arm 'wmtp'",
+        "config: arms[3].name 'wmtp-ring' cannot run on engines[0] 'vllm-cpu' (vllm) with models[0]",
+        "frees KV blocks a prefix-cache hit would need",
+        "add --no-enable-prefix-caching",
     )
 
 

@@ -417,17 +417,26 @@ def _check_warmup(protocol: Mapping[str, Any], models: list[Mapping[str, Any]]) 
             )
 
 
-def _check_ring(arms: list[Mapping[str, Any]], engines: list[Mapping[str, Any]]) -> None:
-    """The wmtp plugin refuses ``ring = true`` only once the server has started; refuse the study instead."""
-    for i, arm in enumerate(arms):
-        if arm["name"] != "wmtp-ring":
+def _check_ring(
+    arms: list[Mapping[str, Any]], engines: list[Mapping[str, Any]], models: list[Mapping[str, Any]]
+) -> None:
+    """The wmtp plugin refuses ``ring = true`` with prefix caching on only once the server has started; refuse the
+    study instead. The ring frees the draft's blocks between sink and window, so a prefix hit could not be served."""
+    if not any(arm["name"] == "wmtp-ring" for arm in arms):
+        return
+    i = next(i for i, arm in enumerate(arms) if arm["name"] == "wmtp-ring")
+    for j, engine in enumerate(engines):
+        if engine["kind"] != "vllm":
             continue
-        for j, engine in enumerate(engines):
-            if engine["kind"] == "vllm":
+        for m, model in enumerate(models):
+            args = list(engine.get("serve_args", [])) + list(model.get("serve_args", []))
+            flags = [a for a in args if a in ("--enable-prefix-caching", "--no-enable-prefix-caching")]
+            if not flags or flags[-1] != "--no-enable-prefix-caching":
                 raise ConfigError(
-                    f"config: arms[{i}].name 'wmtp-ring' cannot run on engines[{j}] {engine['name']!r} (vllm): the "
-                    "wmtp plugin does not implement the draft's own S+W ring buffer and refuses ring = true at "
-                    "start-up; use arm 'wmtp' (the same window, without the ring buffer)"
+                    f"config: arms[{i}].name 'wmtp-ring' cannot run on engines[{j}] {engine['name']!r} (vllm) with "
+                    f"models[{m}] {model['name']!r}: the draft's ring frees KV blocks a prefix-cache hit would need, "
+                    "and vLLM caches prefixes unless told not to; add --no-enable-prefix-caching to the engine's "
+                    "serve_args"
                 )
 
 
@@ -575,7 +584,7 @@ def _semantic_checks(raw: Mapping[str, Any], base_dir: Path) -> None:
         _check_arm(i, arm)
     _check_protocol(raw["protocol"], raw["models"])
     _check_warmup(raw["protocol"], raw["models"])
-    _check_ring(raw["arms"], raw["engines"])
+    _check_ring(raw["arms"], raw["engines"], raw["models"])
     _check_binds(raw["engines"], raw["models"])
     _check_positions(raw["models"], raw["engines"], base_dir)
 

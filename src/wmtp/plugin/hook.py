@@ -127,6 +127,10 @@ def _wrap_init(original, problem: str | None):
         _check_instance(self)
         setattr(self, STATE_ATTR, _State(config, wstats.DraftStats(config.sink, config.window, hp.vllm_version())))
         testing.install(self)
+        if config.ring:
+            from wmtp.plugin import ring  # imports vLLM's KV cache manager: only when asked for
+
+            ring.install(self, config)
 
     setattr(__init__, _ORIGINAL, original)
     return __init__

@@ -55,11 +55,6 @@ def parse_config(additional_config: Mapping[str, Any] | None) -> WindowConfig | 
     ring = raw.get("ring", False)
     if not isinstance(ring, bool):
         raise WindowConfigError(f"{where}.ring must be true or false (got {ring!r})")
-    if ring:
-        raise WindowConfigError(
-            f"{where}.ring = true (arm wmtp-ring, the draft's own S+W ring buffer) is "
-            "phase 2 and not implemented; use ring = false"
-        )
     return WindowConfig(sink=values["sink"], window=values["window"], ring=ring)
 
 

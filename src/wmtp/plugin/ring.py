@@ -1,0 +1,195 @@
+"""Arm wmtp-ring: the draft layer keeps KV blocks only for sink ∪ window; the rest go back to vLLM's pool.
+
+The windowed draft (``wmtp.plugin.hook``) never reads the blocks between the sink and the window, yet plain
+wmtp still holds them for the whole request, because the draft layer shares a KV cache group (one block table,
+one manager) with the target's full-attention layers. With ``"ring": true`` the draft layer gets its own group:
+
+- its spec is ``SinkWindowSpec`` (replaced in the model runner's ``get_kv_cache_spec``), a spec that no
+  full-attention spec merges with, so vLLM's hybrid grouping puts the draft layer into a group of its own;
+- that group's manager, ``SinkWindowManager``, frees the blocks strictly between the sink and the window as the
+  request's committed length grows, exactly as vLLM's sliding-window manager frees the blocks before its window;
+- the spec's peak per-request usage is bounded, so vLLM sizes the pool and counts the KV capacity in tokens with
+  the draft's bounded share instead of a full-context share.
+
+Freed block ids stay in the worker's block table (vLLM's sliding-window groups do the same) and may already
+hold another request's KV; the windowed copy of the draft's metadata never reads them, because the freed range
+is a subset of the dropped range (``freed_blocks``). Imported only inside vLLM processes: by ``install`` from the
+proposer, and by unpickling a ``SinkWindowSpec`` in the engine core; importing it registers the spec.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheSpec, replace_as
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+from wmtp.plugin import window as win
+
+log = logging.getLogger("vllm.wmtp")
+
+RING_ATTR = "_wmtp_ring"
+_ORIGINAL = "__wmtp_original__"
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+RUNNER_CLASS = "GPUModelRunner"  # the CPU runner inherits get_kv_cache_spec from it
+SPEC_METHOD = "get_kv_cache_spec"
+# FullAttentionSpec's own fields: a draft layer that sets any of them is not plain full attention.
+FULL_ONLY_FIELDS = ("sliding_window", "attention_chunk_size", "non_causal")
+
+
+def retained_blocks(sink: int, window: int, block_size: int, in_flight: int, max_model_len: int) -> int:
+    """The most draft blocks one request holds at once.
+
+    After freeing at a committed length c, a request keeps its sink blocks and every block from the one
+    holding c - W to the one holding its last slot, at most c + ``in_flight`` (scheduled but unsettled
+    tokens and lookahead slots): ceil((W + in_flight) / B) + 1 blocks, the +1 because c - W need not sit
+    on a block boundary. Never more than a full-context request.
+    """
+    bounded = win.sink_blocks(sink, block_size) + cdiv(window + in_flight, block_size) + 1
+    return min(bounded, cdiv(max_model_len, block_size))
+
+
+def freed_blocks(processed: int, sink: int, window: int, block_size: int) -> tuple[int, int]:
+    """Block indices [first, last) freed once ``processed`` tokens are committed.
+
+    The same interval as the windowed read's dropped blocks (``window.dropped_blocks``) with the first query
+    position p0 replaced by the committed length; every later draft forward starts at p0 ≥ that length, so
+    whatever is freed is never read.
+    """
+    first = win.sink_blocks(sink, block_size)
+    return first, max(first, max(processed - window, 0) // block_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SinkWindowSpec(AttentionSpec):
+    """The draft layer's KV: attention over sink ∪ window, sized for that and not for the whole context."""
+
+    sink: int
+    window: int
+    # retained_blocks() at the engine's settings, computed where the spec is made (the worker knows them).
+    max_blocks_per_request: int
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        return self.max_blocks_per_request * self.page_size_bytes
+
+    def is_uniform_with_collection(self, kv_cache_specs: dict[str, KVCacheSpec]) -> bool:
+        return all(
+            isinstance(spec, SinkWindowSpec) and (spec.sink, spec.window) == (self.sink, self.window)
+            for spec in kv_cache_specs.values()
+        )
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        # A cache hit would need the sink and the window's blocks of a prefix; install() refuses prefix caching.
+        return False
+
+
+class SinkWindowManager(SingleTypeKVCacheManager):
+    """Frees the draft's blocks between the sink and the window; vLLM's block pool gets them back at once."""
+
+    def __init__(self, kv_cache_spec: SinkWindowSpec, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.sink = kv_cache_spec.sink
+        self.window = kv_cache_spec.window
+        # Admission must match the pool sizing (max_memory_usage_bytes), as for vLLM's sliding-window groups.
+        self.max_admission_blocks_per_request = kv_cache_spec.max_blocks_per_request
+        log.info(
+            "wmtp: ring: the draft layer's KV cache group keeps sink S=%d and window W=%d, at most %d blocks of "
+            "%d tokens per request; KV cache pool %d blocks",
+            self.sink,
+            self.window,
+            kv_cache_spec.max_blocks_per_request,
+            self.block_size,
+            self.block_pool.num_gpu_blocks,
+        )
+
+    @classmethod
+    def find_longest_cache_hit(cls, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("wmtp ring: the draft's sink+window group has no prefix cache")
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        first, last = freed_blocks(processed_computed_tokens, self.sink, self.window, self.block_size)
+        self._remove_blocks_in_range(request_id, first, last)
+
+
+def _register() -> None:
+    # vLLM registers its built-in specs only while the registry is empty: fill it first, then add ours.
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(SinkWindowSpec, SinkWindowManager)
+
+
+_register()
+
+
+def sink_window_spec(spec: KVCacheSpec, config: win.WindowConfig, vllm_config: Any) -> SinkWindowSpec:
+    """The draft layer's full-attention spec as a sink+window spec; refuses anything but plain full attention."""
+    if type(spec) is not FullAttentionSpec or any(getattr(spec, name) for name in FULL_ONLY_FIELDS):
+        raise NotImplementedError(
+            f"wmtp ring: the draft layer's KV cache spec is {spec!r}; ring = true supports plain full attention only"
+        )
+    in_flight = vllm_config.max_in_flight_tokens + vllm_config.num_lookahead_tokens
+    limit = retained_blocks(
+        config.sink, config.window, spec.block_size, in_flight, vllm_config.model_config.max_model_len
+    )
+    return replace_as(
+        spec,
+        SinkWindowSpec,
+        drop=FULL_ONLY_FIELDS,
+        sink=config.sink,
+        window=config.window,
+        max_blocks_per_request=limit,
+    )
+
+
+def _wrap_get_kv_cache_spec(original):
+    @functools.wraps(original)
+    def get_kv_cache_spec(self):
+        specs = original(self)
+        drafter = getattr(self, "drafter", None)
+        config = getattr(drafter, RING_ATTR, None)
+        if config is None:
+            return specs
+        names = sorted(getattr(drafter, "_draft_attn_layer_names", ()))
+        if not names:
+            raise NotImplementedError("wmtp ring: the drafter has no attention layers of its own to give a ring")
+        for name in names:
+            # The block size here is the one vLLM unifies page sizes with later; the bound scales with it.
+            specs[name] = sink_window_spec(specs[name], config, self.vllm_config)
+        return specs
+
+    setattr(get_kv_cache_spec, _ORIGINAL, original)
+    return get_kv_cache_spec
+
+
+def _refusal(vllm_config: Any) -> str | None:
+    if vllm_config.cache_config.enable_prefix_caching:
+        return "prefix caching is on (a hit would need the freed middle of a prefix); use --no-enable-prefix-caching"
+    if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        return "the hybrid KV cache manager is disabled, so the draft layer cannot have a KV cache group of its own"
+    return None
+
+
+def install(proposer: Any, config: win.WindowConfig) -> None:
+    """Give ``proposer``'s draft layer a sink+window KV cache group; called from the proposer's __init__.
+
+    The model runner that builds this proposer asks for the layers' KV specs after loading the model, so
+    wrapping its class's ``get_kv_cache_spec`` now is in time; the wrapper acts only for a runner whose
+    drafter carries the ring setting.
+    """
+    problem = _refusal(proposer.vllm_config)
+    if problem is not None:
+        raise win.WindowConfigError(f"--additional-config {win.CONFIG_KEY}.ring = true cannot run: {problem}")
+    import importlib
+
+    cls = getattr(importlib.import_module(RUNNER_MODULE), RUNNER_CLASS)
+    method = cls.__dict__[SPEC_METHOD]
+    if getattr(method, _ORIGINAL, None) is None:
+        setattr(cls, SPEC_METHOD, _wrap_get_kv_cache_spec(method))
+    setattr(proposer, RING_ATTR, config)

@@ -53,3 +53,14 @@ def test_vllm_servers_run_every_arm_on_the_runner_the_plugin_hooks(tmp_path):
     env = server_env({"HF_HUB_OFFLINE": "1"}, tmp_path / "work", tmp_path / "t")
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["HF_HUB_OFFLINE"] == "1"
     assert server_env({"VLLM_USE_V2_MODEL_RUNNER": "1"}, tmp_path, tmp_path)["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+
+
+def test_kv_capacity_from_the_engines_log_line():
+    from wmtp.engines.vllm import kv_capacity
+
+    log = (
+        "(EngineCore pid=88) INFO 12-01 02:26:30 [kv_cache_utils.py:1311] CPU KV cache size: 209,715 tokens, "
+        "Maximum concurrency for 4,096 tokens per request: 51.20x\n"
+    )
+    assert kv_capacity(log) == {"kv_cache_tokens": 209715, "max_model_len": 4096, "max_concurrency": 51.2}
+    assert kv_capacity("no such line") == {}

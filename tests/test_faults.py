@@ -178,6 +178,8 @@ def test_a_model_path_with_spaces_and_a_command_reaches_no_shell(faults):
     assert not facts["pwned"], f"$(touch …) in the model path ran: {facts['pwned']}"
     manifest = json.loads((faults["cell_dir"] / "manifest.json").read_text())
     assert manifest["model_dir"] == faults["raw"]["models"][0]["path"]
+    # The engine's own KV capacity, read from its start-up log line, is recorded with the cell.
+    assert manifest["kv_cache"]["kv_cache_tokens"] > 0 and manifest["kv_cache"]["max_model_len"] == 2048
 
 
 def _dry_cells(study: Path) -> int:

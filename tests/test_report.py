@@ -435,3 +435,14 @@ def test_robust_limits_ignore_one_far_point_and_keep_real_spread():
     lo, hi = report.robust_limits([*speedups, 284.7])  # one impossible point, had it not been screened
     assert lo < 0.68 and 1.26 < hi < 2.0
     assert report.robust_limits([1.0, 2.0, float("nan")]) is None
+
+
+def test_ring_reclaim_is_the_draft_layers_share_of_attention_kv():
+    """1/(L_full + 1): 10 full-attention layers + the draft (35B) → 9.1 %; the paper's 7.7–11.1 % spans the models."""
+    frame = report.ring_reclaim_section().frame.set_index("model")
+    assert frame.loc["Qwen3.6-35B-A3B", "draft KV share (%)"] == pytest.approx(100 / 11, abs=0.05)
+    assert frame["draft KV share (%)"].min() == pytest.approx(100 / 13, abs=0.05)
+    assert frame["draft KV share (%)"].max() == pytest.approx(100 / 9, abs=0.05)
+    # The ring gives back the share, less the sink + window it keeps (a few thousand of 1M tokens).
+    assert ((frame["KV reclaimed by the ring (%)"] < frame["draft KV share (%)"])
+            & (frame["KV reclaimed by the ring (%)"] > frame["draft KV share (%)"] - 0.5)).all()  # fmt: skip

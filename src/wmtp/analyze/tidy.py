@@ -55,6 +55,9 @@ def request_table(cell_dir: Path) -> pd.DataFrame:
         for c, e in zip(frame["completion_tokens"], frame["energy_decode_j"], strict=True)
     ]
     frame["power_status"] = manifest.get("power_status", "unavailable")
+    capacity = manifest.get("kv_cache") or {}
+    frame["kv_cache_tokens"] = capacity.get("kv_cache_tokens")
+    frame["max_concurrency"] = capacity.get("max_concurrency")
     _per_request_acceptance(frame)
     return screen_requests(frame)
 

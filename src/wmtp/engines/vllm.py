@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
@@ -90,13 +91,33 @@ def server_env(engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path) -> 
     return env
 
 
+# vLLM logs its KV cache once at start-up: "<device> KV cache size: 209,715 tokens, Maximum concurrency for
+# 4,096 tokens per request: 51.20x" (vllm/v1/core/kv_cache_utils.py, update_kv_cache_capacity).
+_KV_CAPACITY = re.compile(
+    r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x"
+)
+
+
+def kv_capacity(server_log: str) -> dict[str, float]:
+    """The engine's own KV capacity (tokens, and requests of max_model_len it admits at once), from its log."""
+    found = _KV_CAPACITY.findall(server_log)
+    if not found:
+        return {}
+    tokens, max_len, concurrency = found[-1]
+    return {
+        "kv_cache_tokens": int(tokens.replace(",", "")),
+        "max_model_len": int(max_len.replace(",", "")),
+        "max_concurrency": float(concurrency),
+    }
+
+
 def verify_windowed(server_env: Mapping[str, str], cell: Any, protocol: Any) -> dict[str, Any]:
     """A wmtp cell's plugin counters; raises ``WindowNotApplied`` when the window never ran.
 
     The manifest gets the requested S and W, the effective (block-rounded) sink and window the plugin
     reports, and its counts of windowed draft forwards and skipped KV blocks.
     """
-    if cell.arm != "wmtp":
+    if cell.arm not in ("wmtp", "wmtp-ring"):
         return {}
     directory = server_env.get(plugin_stats.ENV)
     found = plugin_stats.read(directory)
@@ -178,4 +199,6 @@ class VLLMAdapter(EngineAdapter):
         return read_counters(base_url)
 
     def verify_cell(self, run_dir: Path, server_env: Mapping[str, str], cell: Any, protocol: Any) -> dict[str, Any]:
-        return verify_windowed(server_env, cell, protocol)
+        log_file = run_dir / "server.log"
+        capacity = kv_capacity(log_file.read_text(errors="replace")) if log_file.exists() else {}
+        return {**verify_windowed(server_env, cell, protocol), **({"kv_cache": capacity} if capacity else {})}

@@ -733,6 +733,40 @@ def _against_ceiling(lo: float, hi: float, ceiling: float) -> str:
     return "upper end above the ceiling" if hi > ceiling else "within the ceiling"
 
 
+PAPER_RECLAIM_PCT = (7.7, 11.1)
+
+
+def ring_reclaim_section(models_dir: Path | str | None = None, context: int = 1 << 20, k: int = PAPER_K) -> Section:
+    """What a ring buffer for the draft's KV gives back at 1M, predicted per model in config/models: the draft
+    layer's share of all attention KV, 1/(L_full + 1), next to the paper's 7.7–11.1 %."""
+    from wmtp.analyze.costmodel import predict
+
+    directory = Path(models_dir) if models_dir else MODELS_DIR
+    rows = []
+    for path in sorted(directory.glob("*.json")):
+        p = predict(path, context, k, sink=64, window=4032)
+        rows.append(
+            {
+                "model": p.model,
+                "context": context_label(context),
+                "draft KV share (%)": round(100 * p.draft_kv_share, 1),
+                "KV reclaimed by the ring (%)": round(100 * p.ring_reclaimed_fraction, 1),
+                "paper (%)": f"{PAPER_RECLAIM_PCT[0]}–{PAPER_RECLAIM_PCT[1]}",
+            }
+        )
+    return Section(pd.DataFrame(rows))
+
+
+def kv_capacity_section(tidy: Tidy) -> Section:
+    """The engine's own KV capacity per cell (tokens, and requests of max_model_len it admits at once)."""
+    r = tidy.requests
+    if r.empty or "kv_cache_tokens" not in r.columns or r["kv_cache_tokens"].isna().all():
+        return Section()
+    cols = ["arm", "k", "sink", "window", "kv_cache_tokens", "max_concurrency"]
+    frame = r[[c for c in ["cell_id", *cols] if c in r.columns]].drop_duplicates("cell_id").drop(columns="cell_id")
+    return Section(_arm_order(frame.reset_index(drop=True)))
+
+
 def paper_claim_section(replica: pd.DataFrame | None, published: pd.DataFrame, k: int = PAPER_K) -> Section:
     """The paper's 1.28–1.44× at 1M next to what bounds it: per replica model at its longest context, the
     ratio the H200 replica measured, the cost model's prediction, and the ceiling 1 + k·(draft KV)/(target KV)
@@ -1442,6 +1476,8 @@ class ReportData:
     findings: list[str]
     excluded: Section
     paper: Section
+    ring_reclaim: Section
+    kv_capacity: Section
 
 
 def load_report_data(
@@ -1483,6 +1519,8 @@ def load_report_data(
         findings=answer_sentences(tidy),
         excluded=excluded_section(tidy),
         paper=paper_claim_section(replica, published),
+        ring_reclaim=ring_reclaim_section(),
+        kv_capacity=kv_capacity_section(tidy),
     )
 
 

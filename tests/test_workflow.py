@@ -75,3 +75,24 @@ def test_bad_config_fails_before_anything_runs(tmp_path):
     out = run("-n", "--configfile", str(bad))
     assert out.returncode != 0
     assert "arms[1].k[0] must be ≥ 1 for arm 'mtp' (got 0)" in out.stdout + out.stderr
+
+
+def test_a_dry_run_writes_nothing(tmp_path):
+    """Parsing the workflow (a dry run, or a second invocation beside a running one) never writes a file."""
+    results = tmp_path / "results"
+    out = run("-n", "--config", f"results_dir={results}", f"models_dir={tmp_path}/models")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert not results.exists() and not (tmp_path / "models").exists()
+
+
+def test_another_study_inherits_nothing_from_the_embedded_default(spark_model_placeholder):
+    """--configfile replaces config/config.yaml: the Spark study's cells measure code prompts only (the embedded
+    study also has the copy task) and the plan names the Spark study's own results."""
+    out = run("-n", "-p", "--configfile", "config/studies/spark-128k.yaml", "--forceall")
+    assert out.returncode == 0, out.stdout + out.stderr
+    cell_commands = [line for line in out.stdout.splitlines() if " cell --study-json " in line]
+    assert len(cell_commands) == 2
+    for line in cell_commands:
+        assert '"workloads": ["code"]' in line and '"copy"' not in line
+        assert '"study": "spark-128k"' in line
+    assert "results/embedded" not in out.stdout

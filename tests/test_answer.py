@@ -100,7 +100,7 @@ def test_the_derive_stage_writes_what_the_report_reads(tmp_path):
 
     from wmtp.analyze.derive import derive
     from wmtp.analyze.tidy import collect
-    from wmtp.report import report
+    from wmtp.report import load, sections
 
     raw = Path(__file__).parent / "fixtures" / "embedded-trained-run"
     tidy_dir = tmp_path / "embedded" / "tidy"
@@ -111,5 +111,5 @@ def test_the_derive_stage_writes_what_the_report_reads(tmp_path):
     # The report's answer is the derived table, not a recomputation: a marker written there shows up.
     marked = tables["answer"].assign(verdict="marker")
     marked.to_parquet(tmp_path / "embedded" / "derived" / "answer.parquet", index=False)
-    rows = report.answer_rows(report.load_tidy(tidy_dir))
+    rows = sections.answer_rows(load.load_tidy(tidy_dir))
     assert set(rows["verdict"]) == {"marker"}

@@ -1,4 +1,4 @@
-"""wmtp.report.report: published CSVs, figure-ready sections, and the real papermill + nbconvert rendering."""
+"""wmtp.report: published CSVs, figure-ready sections, and the real papermill + nbconvert rendering."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from wmtp.report import report
+from wmtp.report import compare, labels, load, render, sections
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = Path(__file__).parent / "fixtures" / "tidy_synthetic" / "make_tidy.py"
@@ -83,7 +83,7 @@ def test_published_csv_shape_and_quotes(name: str):
 
 
 def test_load_published_types_and_the_headline_numbers():
-    pub = report.load_published(PUBLISHED, "spark-128k", primary_only=True)
+    pub = load.load_published(PUBLISHED, "spark-128k", primary_only=True)
     sel = pub[(pub["quantity"] == "cycle_ms")].set_index(["arm", "rung"])["value"]
     assert sel["none", 2040] == 14.14
     assert sel["mtp", 131290] == 38.35
@@ -91,9 +91,9 @@ def test_load_published_types_and_the_headline_numbers():
     assert (change["value"], change["pm"], change["rung_from"], change["rung"]) == (0.08, 0.032, 2040, 131290)
     rng = pub[pub["quantity"] == "decode_tok_s_range"].iloc[0]
     assert (rng["lo"], rng["hi"], rng["rung"]) == (90.2, 102.2, 32779)
-    claim = report.paper_claim(report.load_published(PUBLISHED))
+    claim = compare.paper_claim(load.load_published(PUBLISHED))
     assert claim == {"rung": 1_048_576.0, "lo": pytest.approx(0.28), "hi": pytest.approx(0.44)}
-    ring = report.load_published(PUBLISHED, "windowed-mtp-paper", primary_only=True)
+    ring = load.load_published(PUBLISHED, "windowed-mtp-paper", primary_only=True)
     kv = ring[ring["quantity"] == "kv_reclaimed_pct"].iloc[0]
     assert (kv["lo"], kv["hi"]) == (7.7, 11.1)
 
@@ -109,25 +109,25 @@ def test_load_published_types_and_the_headline_numbers():
      (1_048_576, "1M"), (262144, "262K")],
 )  # fmt: skip
 def test_context_label(tokens: int, label: str):
-    assert report.context_label(tokens) == label
+    assert labels.context_label(tokens) == label
 
 
 def test_context_ticks_collapse_near_duplicates():
-    assert report.context_ticks([131290, 131072, 2040, 1_000_000, 1_048_576]) == [2040, 131072, 1_000_000]
+    assert labels.context_ticks([131290, 131072, 2040, 1_000_000, 1_048_576]) == [2040, 131072, 1_000_000]
 
 
 def test_series_label():
-    assert report.series_label({"arm": "none", "k": 0, "sink": None, "window": None}) == "none"
-    assert report.series_label({"arm": "wmtp", "k": 3, "sink": 16, "window": 128}) == "wmtp k=3 S=16 W=128"
+    assert labels.series_label({"arm": "none", "k": 0, "sink": None, "window": None}) == "none"
+    assert labels.series_label({"arm": "wmtp", "k": 3, "sink": 16, "window": 128}) == "wmtp k=3 S=16 W=128"
 
 
 def test_context_tick_labels_never_collide():
     ticks = [2048, 32768, 131072, 262144, 524288, 1_048_576]
     # a narrow panel keeps 2K … 131K … 1M and leaves 262K and 524K as bare ticks
-    assert report.context_tick_labels(ticks, 3.0) == ["2K", "32K", "131K", "", "", "1M"]
-    assert report.context_tick_labels(ticks, 8.0) == ["2K", "32K", "131K", "262K", "524K", "1M"]
-    assert report.context_tick_labels([256, 1024], 3.0) == ["256", "1K"]
-    assert report.context_tick_labels([2040], 3.0) == ["2K"]
+    assert labels.context_tick_labels(ticks, 3.0) == ["2K", "32K", "131K", "", "", "1M"]
+    assert labels.context_tick_labels(ticks, 8.0) == ["2K", "32K", "131K", "262K", "524K", "1M"]
+    assert labels.context_tick_labels([256, 1024], 3.0) == ["256", "1K"]
+    assert labels.context_tick_labels([2040], 3.0) == ["2K"]
 
 
 def test_add_labels_facets_by_model_where_it_varies():
@@ -135,11 +135,11 @@ def test_add_labels_facets_by_model_where_it_varies():
         {"model": ["a", "a", "b"], "engine": ["vllm"] * 3, "arm": ["none", "mtp", "mtp"], "k": [0, 3, 3],
          "sink": [None] * 3, "window": [None] * 3, "concurrency": [1, 2, 1], "rung": [2040] * 3}
     )  # fmt: skip
-    out = report.add_labels(frame)
+    out = labels.add_labels(frame)
     assert list(out["facet"]) == ["a", "a", "b"]
     assert list(out["series"]) == ["none (c=1)", "mtp k=3 (c=2)", "mtp k=3 (c=1)"]
     assert out["label"].iloc[2] == "mtp k=3 (b, c=1)"
-    one = report.add_labels(frame[frame["model"] == "a"].assign(concurrency=1))
+    one = labels.add_labels(frame[frame["model"] == "a"].assign(concurrency=1))
     assert set(one["facet"]) == {""} and list(one["series"]) == list(one["label"]) == ["none", "mtp k=3"]
 
 
@@ -148,36 +148,36 @@ def test_series_styles_one_hue_per_arm_and_distinct_shades():
         {"arm": ["none", "mtp", "mtp", "wmtp", "wmtp-ring"], "k": [0, 1, 3, 3, 3],
          "label": ["none", "mtp k=1", "mtp k=3", "wmtp k=3 S=16 W=128", "wmtp-ring k=3 S=16 W=128"]}
     )  # fmt: skip
-    styles = report.series_styles(frame, key="label")
+    styles = labels.series_styles(frame, key="label")
     assert set(styles) == set(frame["label"])
     assert len({st["color"] for st in styles.values()}) == len(styles)
     assert styles["mtp k=1"]["marker"] == styles["mtp k=3"]["marker"] != styles["none"]["marker"]
     assert styles["wmtp-ring k=3 S=16 W=128"]["ls"] == "--"
-    assert report.series_styles(pd.DataFrame()) == {}
+    assert labels.series_styles(pd.DataFrame()) == {}
 
 
 def test_k_color_is_fixed_per_k_and_dodge_is_centred():
-    assert report.k_color(3) == report.k_color(3.0) != report.k_color(5)
-    assert len({report.k_color(k) for k in range(1, 7)}) == 6
-    shifts = report.dodge(3, [2040, 131290])
+    assert labels.k_color(3) == labels.k_color(3.0) != labels.k_color(5)
+    assert len({labels.k_color(k) for k in range(1, 7)}) == 6
+    shifts = labels.dodge(3, [2040, 131290])
     assert shifts[1] == 1.0 and shifts[0] < 1.0 < shifts[2]
     assert shifts[0] * shifts[2] == pytest.approx(1.0)
-    assert report.dodge(1, [2040]) == [1.0]
+    assert labels.dodge(1, [2040]) == [1.0]
 
 
 def test_paper_models_from_the_paper_study():
     if not (ROOT / "config" / "studies" / "paper-1m.yaml").exists():
         pytest.skip("config/studies/paper-1m.yaml not present")
-    paper = report.paper_models()
+    paper = compare.paper_models()
     # the study names checkpoints, the replica names architectures: both meet on the config/models name
     for name in ("Qwen3.6-35B-A3B", "Qwen3.5-122B-A10B", "NVIDIA-Nemotron-3-Super-120B-A12B", "qwen3.5-122b-a10b-fp8"):
-        assert report.canonical_model(name) in paper, name
-    assert report.canonical_model("Qwen3-Next-80B-A3B") not in paper
-    assert report.canonical_model("tiny") == "tiny"
-    assert report.paper_models(ROOT / "nope.yaml") == frozenset()
+        assert compare.canonical_model(name) in paper, name
+    assert compare.canonical_model("Qwen3-Next-80B-A3B") not in paper
+    assert compare.canonical_model("tiny") == "tiny"
+    assert compare.paper_models(ROOT / "nope.yaml") == frozenset()
 
 
-def _plotted_columns_are_finite(section: report.Section, columns: list[str]) -> None:
+def _plotted_columns_are_finite(section: load.Section, columns: list[str]) -> None:
     for col in columns:
         if col in section.frame.columns:
             values = pd.to_numeric(section.frame[col], errors="coerce").to_numpy(float)
@@ -185,7 +185,7 @@ def _plotted_columns_are_finite(section: report.Section, columns: list[str]) -> 
 
 
 def test_report_data_full(full_tidy_dir):
-    data = report.load_report_data("spark-128k", full_tidy_dir, PUBLISHED, n_boot=300)
+    data = sections.load_report_data("spark-128k", full_tidy_dir, PUBLISHED, n_boot=300)
     for name in ("decode", "speedup", "speedup_change", "cycle", "draft_tax", "acceptance", "positions", "energy",
                  "prefill", "wedge", "published_vs_measured"):  # fmt: skip
         assert getattr(data, name).available, name
@@ -212,12 +212,12 @@ def test_report_data_full(full_tidy_dir):
 
 
 def test_report_data_bare_says_what_is_missing(bare_tidy_dir):
-    data = report.load_report_data("spark-128k", bare_tidy_dir, PUBLISHED, n_boot=300)
+    data = sections.load_report_data("spark-128k", bare_tidy_dir, PUBLISHED, n_boot=300)
     assert not data.energy.available
-    assert report.NOTE_NO_POWER in data.energy.notes
+    assert sections.NOTE_NO_POWER in data.energy.notes
     assert not data.wedge.available
-    assert report.NOTE_NO_WINDOWED in data.wedge.notes
-    assert report.NOTE_NO_REPLICA in data.wedge.notes
+    assert compare.NOTE_NO_WINDOWED in data.wedge.notes
+    assert compare.NOTE_NO_REPLICA in data.wedge.notes
     assert data.replica is None
     missing = " ".join(data.published_vs_measured.notes)
     assert "tok_per_j" in missing and "power_w" in missing
@@ -225,23 +225,23 @@ def test_report_data_bare_says_what_is_missing(bare_tidy_dir):
 
 def test_report_data_for_a_cpu_shaped_study(tmp_path, make_tidy):
     tidy = make_tidy.write_tidy(tmp_path / "results" / "embedded" / "tidy", "embedded", shape="cpu")
-    data = report.load_report_data("embedded", tidy, PUBLISHED, n_boot=200)
+    data = sections.load_report_data("embedded", tidy, PUBLISHED, n_boot=200)
     assert data.decode.available and data.speedup.available and data.acceptance.available
     assert "no published numbers for study 'embedded'" in data.published_vs_measured.notes
-    assert report.NOTE_NO_POWER in data.energy.notes
+    assert sections.NOTE_NO_POWER in data.energy.notes
     _plotted_columns_are_finite(data.speedup, ["speedup", "lo", "hi"])
 
 
 def test_costmodel_missing_is_a_note(monkeypatch, full_tidy_dir):
     monkeypatch.setitem(sys.modules, "wmtp.analyze.costmodel", None)  # import raises ImportError
-    section = report.costmodel_section(report.load_tidy(full_tidy_dir))
+    section = compare.costmodel_section(load.load_tidy(full_tidy_dir))
     assert not section.available
-    assert section.notes == (report.NOTE_COSTMODEL_MISSING,)
+    assert section.notes == (compare.NOTE_COSTMODEL_MISSING,)
 
 
 def test_costmodel_section_when_available(full_tidy_dir):
     pytest.importorskip("wmtp.analyze.costmodel")
-    section = report.costmodel_section(report.load_tidy(full_tidy_dir))
+    section = compare.costmodel_section(load.load_tidy(full_tidy_dir))
     assert section.available
     share = section.frame.query("quantity == 'draft_share_pct' and arm == 'mtp' and rung == 131290").iloc[0]
     # one draft attention layer against ten full-attention target layers: the roofline says 10 %
@@ -250,11 +250,11 @@ def test_costmodel_section_when_available(full_tidy_dir):
 
 
 def test_model_file_prefix_match():
-    path = report.model_file("qwen3.6-35b-a3b-nvfp4")
+    path = compare.model_file("qwen3.6-35b-a3b-nvfp4")
     if not (ROOT / "config" / "models" / "qwen3.6-35b-a3b.json").exists():
         pytest.skip("config/models not present")
     assert path is not None and path.name == "qwen3.6-35b-a3b.json"
-    assert report.model_file("tiny") is None
+    assert compare.model_file("tiny") is None
 
 
 def test_replica_long_shape_is_normalised():
@@ -266,18 +266,18 @@ def test_replica_long_shape_is_normalised():
             for arm, ms in (("none", 1.0), ("mtp", 2.0 * r), ("wmtp", 2.0))
         ]
     )  # fmt: skip
-    rep = report.normalise_replica(long)
+    rep = load.normalise_replica(long)
     assert list(rep["ratio"]) == [1.1, 1.4]
     assert list(rep["context"]) == [131072, 1048576]
     summary = pd.DataFrame({"model": ["m"], "context": [1], "k": [3], "sink": [16], "window": [128],
                             "step_nat_ms": [3.0], "step_win_ms": [2.0]})  # fmt: skip
-    assert report.normalise_replica(summary)["ratio"].iloc[0] == 1.5
-    assert report.normalise_replica(pd.DataFrame({"x": [1]})).empty
+    assert load.normalise_replica(summary)["ratio"].iloc[0] == 1.5
+    assert load.normalise_replica(pd.DataFrame({"x": [1]})).empty
 
 
 def test_load_tidy_names_the_missing_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        report.load_tidy(tmp_path / "nope")
+        load.load_tidy(tmp_path / "nope")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -306,11 +306,11 @@ def _html_checks(html_path: Path, figures: set[str]) -> str:
 @pytest.mark.timeout(600)
 def test_render_full_report(tmp_path, full_tidy_dir):
     out = tmp_path / "report"
-    assert report.main_report(["--study", "spark-128k", "--tidy", str(full_tidy_dir), "--out", str(out)]) == 0
+    assert render.main_report(["--study", "spark-128k", "--tidy", str(full_tidy_dir), "--out", str(out)]) == 0
     html = _html_checks(out / "index.html", FULL_FIGURES)
     assert "Study report" in html
-    assert report.NOTE_NO_POWER not in html
-    assert report.NOTE_NO_WINDOWED not in html
+    assert sections.NOTE_NO_POWER not in html
+    assert compare.NOTE_NO_WINDOWED not in html
     assert "paper: 1.28–1.44× at 1M" not in html  # legend text lives in the image, not the page
     assert (out / "report.ipynb").exists()
 
@@ -318,7 +318,7 @@ def test_render_full_report(tmp_path, full_tidy_dir):
 @pytest.mark.timeout(600)
 def test_render_report_without_power_or_windowed_arm(tmp_path, bare_tidy_dir):
     out = tmp_path / "report"
-    html_path = report.render_report("spark-128k", bare_tidy_dir, out, published_dir=PUBLISHED)
+    html_path = render.render_report("spark-128k", bare_tidy_dir, out, published_dir=PUBLISHED)
     html = _html_checks(html_path, BARE_FIGURES)
     assert "not measured: no NVML on this machine" in html
     assert "no windowed arm in this study" in html
@@ -330,7 +330,7 @@ def test_render_report_without_power_or_windowed_arm(tmp_path, bare_tidy_dir):
 def test_venv_kernel_is_this_interpreter():
     from jupyter_client.kernelspec import KernelSpecManager
 
-    with report._venv_kernel():
+    with render._venv_kernel():
         spec = KernelSpecManager().get_kernel_spec("python3")
     assert spec.argv[0] == sys.executable
 
@@ -353,7 +353,7 @@ def test_render_from_real_raw_cells(tmp_path, raw_dir: Path | None):
     tidy = tmp_path / "results" / "real" / "tidy"
     tables = collect(cells, tidy)
     study = str(tables["rungs"]["study"].iloc[0])
-    html = report.render_report(study, tidy, tmp_path / "report", published_dir=PUBLISHED).read_text()
+    html = render.render_report(study, tidy, tmp_path / "report", published_dir=PUBLISHED).read_text()
     pngs = list((tmp_path / "report" / "figures").glob("*.png"))
     assert {"decode_tok_s", "cycle_ms", "ttft_s", "prefill_tok_s"} <= {p.stem for p in pngs}
     assert html.count("<img") == len(pngs)
@@ -380,7 +380,7 @@ def two_workload_tidy_dir(tmp_path_factory, make_tidy) -> Path:
 
 
 def test_workloads_are_separate_series_matched_to_their_own_baseline(two_workload_tidy_dir):
-    data = report.load_report_data("spark-128k", two_workload_tidy_dir, PUBLISHED, n_boot=300)
+    data = sections.load_report_data("spark-128k", two_workload_tidy_dir, PUBLISHED, n_boot=300)
     speedup = data.speedup.frame
     assert set(speedup["workload"]) == {"code", "copy"}
     both = speedup.pivot_table(index=["arm", "rung"], columns="workload", values="speedup")
@@ -390,7 +390,7 @@ def test_workloads_are_separate_series_matched_to_their_own_baseline(two_workloa
     acc = data.acceptance.frame.pivot_table(index=["arm", "rung"], columns="workload", values="acceptance_rate")
     assert (acc.loc["wmtp", "copy"] < 0.6 * acc.loc["wmtp", "code"]).all()
     assert (acc.loc["mtp", "copy"] == acc.loc["mtp", "code"]).all()
-    shown = report.acceptance_display(data.acceptance)
+    shown = sections.acceptance_display(data.acceptance)
     assert list(shown.columns[:2]) == ["workload", "series"] and len(shown) == 2 * 3
     assert shown.iloc[0]["workload"] == "code prompts"
     assert list(shown["series"][:3]) == ["mtp k=3", "wmtp k=3 S=16 W=128", "wmtp-ring k=3 S=16 W=128"]
@@ -405,8 +405,8 @@ def test_workloads_are_separate_series_matched_to_their_own_baseline(two_workloa
 
 
 def test_acceptance_display_without_workloads(full_tidy_dir):
-    data = report.load_report_data("spark-128k", full_tidy_dir, PUBLISHED, n_boot=200)
-    shown = report.acceptance_display(data.acceptance)
+    data = sections.load_report_data("spark-128k", full_tidy_dir, PUBLISHED, n_boot=200)
+    shown = sections.acceptance_display(data.acceptance)
     assert list(shown.columns) == ["series", "2K", "32K", "131K"], list(shown.columns)
     mtp = shown[shown["series"] == "mtp k=3"].iloc[0]
     assert mtp["2K"].endswith("(3.36)") and mtp["2K"].startswith("78.")
@@ -420,7 +420,7 @@ def test_the_papers_claim_is_set_against_the_ceiling_with_the_committed_h200_rep
     out = tmp_path / "replica.parquet"
     assert rp.main(["tidy", "--raw", str(ROOT / "measurements" / "h200"), "--models-dir",
                     str(ROOT / "config" / "models"), "--out", str(out)]) == 0  # fmt: skip
-    frame = report.paper_claim_section(pd.read_parquet(out), report.load_published(PUBLISHED)).frame
+    frame = compare.paper_claim_section(pd.read_parquet(out), load.load_published(PUBLISHED)).frame
     row = frame.set_index("model").loc["Qwen3.6-35B-A3B"]
     assert row["context"] == "1M" and row["paper"] == "1.28–1.44"
     assert row["ceiling 1 + 3/L_full"] == pytest.approx(1.30)
@@ -431,15 +431,15 @@ def test_the_papers_claim_is_set_against_the_ceiling_with_the_committed_h200_rep
 
 def test_robust_limits_ignore_one_far_point_and_keep_real_spread():
     speedups = [0.97, 0.9, 0.8, 0.72, 0.86, 0.68, 1.26, 1.07, 0.97]
-    assert report.robust_limits(speedups) is None  # a real spread sets the axis itself
-    lo, hi = report.robust_limits([*speedups, 284.7])  # one impossible point, had it not been screened
+    assert labels.robust_limits(speedups) is None  # a real spread sets the axis itself
+    lo, hi = labels.robust_limits([*speedups, 284.7])  # one impossible point, had it not been screened
     assert lo < 0.68 and 1.26 < hi < 2.0
-    assert report.robust_limits([1.0, 2.0, float("nan")]) is None
+    assert labels.robust_limits([1.0, 2.0, float("nan")]) is None
 
 
 def test_ring_reclaim_is_the_draft_layers_share_of_attention_kv():
     """1/(L_full + 1): 10 full-attention layers + the draft (35B) → 9.1 %; the paper's 7.7–11.1 % spans the models."""
-    frame = report.ring_reclaim_section().frame.set_index("model")
+    frame = compare.ring_reclaim_section().frame.set_index("model")
     assert frame.loc["Qwen3.6-35B-A3B", "draft KV share (%)"] == pytest.approx(100 / 11, abs=0.05)
     assert frame["draft KV share (%)"].min() == pytest.approx(100 / 13, abs=0.05)
     assert frame["draft KV share (%)"].max() == pytest.approx(100 / 9, abs=0.05)

@@ -109,7 +109,7 @@ def cmd_derive(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from wmtp.report.report import main_report
+    from wmtp.report.render import main_report
 
     return main_report(args.rest)
 
@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_derive)
 
     p = sub.add_parser(
-        "report", help="render the study report (papermill → HTML); options as wmtp.report.report", add_help=False
+        "report", help="render the study report (papermill → HTML); options as wmtp.report.render", add_help=False
     )
     p.set_defaults(func=cmd_report)
     return parser
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "report":
-        args.rest = rest  # wmtp.report.report parses its own options
+        args.rest = rest  # wmtp.report.render parses its own options
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     _setup_logging(args.log)

@@ -211,7 +211,7 @@ class CI(NamedTuple):
     hi: float
 
 
-def _clean(values: Sequence[float] | np.ndarray | pd.Series) -> np.ndarray:
+def finite_values(values: Sequence[float] | np.ndarray | pd.Series) -> np.ndarray:
     arr = np.asarray(pd.to_numeric(pd.Series(values, dtype="object"), errors="coerce"), dtype=float)
     return arr[np.isfinite(arr)]
 
@@ -240,7 +240,7 @@ def bootstrap_replicates(
     """
     stat = _stat_fn(statistic)
     rng = np.random.default_rng(seed)
-    clean = [_clean(s) for s in samples]
+    clean = [finite_values(s) for s in samples]
     if any(len(c) == 0 for c in clean):
         return math.nan, np.full(n_boot, math.nan)
     points = [np.asarray(stat(c)) for c in clean]
@@ -342,7 +342,7 @@ def _na_to_none(value: object) -> object:
         return value
 
 
-def _groups(frame: pd.DataFrame, keys: Sequence[str]) -> list[tuple[dict[str, object], pd.DataFrame]]:
+def group_rows(frame: pd.DataFrame, keys: Sequence[str]) -> list[tuple[dict[str, object], pd.DataFrame]]:
     cols = _keys(frame, keys)
     if frame.empty:
         return []
@@ -352,7 +352,7 @@ def _groups(frame: pd.DataFrame, keys: Sequence[str]) -> list[tuple[dict[str, ob
     return out
 
 
-def _select(frame: pd.DataFrame, where: dict[str, object]) -> pd.DataFrame:
+def select_rows(frame: pd.DataFrame, where: dict[str, object]) -> pd.DataFrame:
     mask = pd.Series(True, index=frame.index)
     for col, val in where.items():
         if col not in frame.columns:
@@ -400,8 +400,8 @@ def repeat_table(
     Used for decode tok/s, TTFT, prefill tok/s and tok/J. Rows with no finite value are left out.
     """
     rows = []
-    for key, group in _groups(requests, (*SERIES_KEYS, "rung")):
-        values = _clean(group[column]) if column in group.columns else np.array([])
+    for key, group in group_rows(requests, (*SERIES_KEYS, "rung")):
+        values = finite_values(group[column]) if column in group.columns else np.array([])
         if len(values) == 0:
             continue
         point, reps = bootstrap_replicates([values], lambda a: a, statistic=statistic, n_boot=n_boot, seed=seed)
@@ -445,10 +445,10 @@ def _base_and_arms(requests: pd.DataFrame, base_arm: str) -> list[tuple[dict[str
     out = []
     if requests.empty:
         return out
-    for key, group in _groups(requests, SERIES_KEYS):
+    for key, group in group_rows(requests, SERIES_KEYS):
         if key.get("arm") == base_arm:
             continue
-        base = _select(requests, {"arm": base_arm, **{k: key[k] for k in _keys(requests, MATCH_KEYS)}})
+        base = select_rows(requests, {"arm": base_arm, **{k: key[k] for k in _keys(requests, MATCH_KEYS)}})
         if base.empty:
             continue
         out.append((key, group, base))
@@ -472,8 +472,8 @@ def speedup_table(
     rows = []
     for key, arm_req, base_req in _base_and_arms(requests, base_arm):
         for rung in rungs_of(arm_req):
-            a = _clean(arm_req.loc[arm_req["rung"] == rung, "decode_tok_s"])
-            b = _clean(base_req.loc[base_req["rung"] == rung, "decode_tok_s"])
+            a = finite_values(arm_req.loc[arm_req["rung"] == rung, "decode_tok_s"])
+            b = finite_values(base_req.loc[base_req["rung"] == rung, "decode_tok_s"])
             if len(a) == 0 or len(b) == 0:
                 continue
             point, reps = bootstrap_replicates([a, b], _ratio, statistic=statistic, n_boot=n_boot, seed=seed)
@@ -527,7 +527,7 @@ def speedup_change_table(
         r0, r1 = picked
 
         def tok_s(frame: pd.DataFrame, rung: int) -> np.ndarray:
-            return _clean(frame.loc[frame["rung"] == rung, "decode_tok_s"])
+            return finite_values(frame.loc[frame["rung"] == rung, "decode_tok_s"])
 
         samples = [tok_s(base_req, r0), tok_s(arm_req, r0), tok_s(base_req, r1), tok_s(arm_req, r1)]
         if any(len(s) == 0 for s in samples):
@@ -552,7 +552,7 @@ def speedup_change_table(
 
 
 def _rung_value(rungs: pd.DataFrame, where: dict[str, object], rung: int, column: str) -> float:
-    sel = _select(rungs, {**where, "rung": rung})
+    sel = select_rows(rungs, {**where, "rung": rung})
     if sel.empty or column not in sel.columns:
         return math.nan
     value = pd.to_numeric(sel[column], errors="coerce").dropna()
@@ -579,11 +579,11 @@ def draft_tax_table(
     the fields of :class:`DraftTax`, plus per_step_lo/hi and share_lo/hi when requests are given.
     """
     rows = []
-    for key, group in _groups(rungs, SERIES_KEYS):
+    for key, group in group_rows(rungs, SERIES_KEYS):
         if not _is_drafting(key.get("arm")) or base_arm == key.get("arm"):
             continue
         match = {k: key[k] for k in _keys(rungs, MATCH_KEYS)}
-        base = _select(rungs, {"arm": base_arm, **match})
+        base = select_rows(rungs, {"arm": base_arm, **match})
         picked = _pick_rungs(sorted(set(rungs_of(group)) & set(rungs_of(base))), rung_from, rung_to)
         if picked is None:
             continue
@@ -602,11 +602,11 @@ def draft_tax_table(
         if requests is not None and not requests.empty:
             tpv0 = _rung_value(group, {}, r0, "tok_per_verify")
             tpv1 = _rung_value(group, {}, r1, "tok_per_verify")
-            arm_req = _select(requests, key)
-            base_req = _select(requests, {"arm": base_arm, **match})
+            arm_req = select_rows(requests, key)
+            base_req = select_rows(requests, {"arm": base_arm, **match})
 
             def tok_s(frame: pd.DataFrame, rung: int) -> np.ndarray:
-                return _clean(frame.loc[frame["rung"] == rung, "decode_tok_s"])
+                return finite_values(frame.loc[frame["rung"] == rung, "decode_tok_s"])
 
             def per_step(
                 b0: np.ndarray,
@@ -766,11 +766,11 @@ def cost_side_table(
     rows = []
     if rungs.empty:
         return pd.DataFrame()
-    for key, group in _groups(rungs, SERIES_KEYS):
+    for key, group in group_rows(rungs, SERIES_KEYS):
         if key.get("arm") not in WINDOWED_ARMS:
             continue
         match = {**{k: key[k] for k in _keys(rungs, MATCH_KEYS)}, "k": key.get("k")}
-        native = _select(rungs, {"arm": native_arm, **match})
+        native = select_rows(rungs, {"arm": native_arm, **match})
         for rung in sorted(set(rungs_of(group)) & set(rungs_of(native))):
             nat = _rung_value(native, {}, rung, "cycle_ms")
             win = _rung_value(group, {}, rung, "cycle_ms")
@@ -785,8 +785,8 @@ def cost_side_table(
             if requests is not None and not requests.empty:
                 tpv_n = _rung_value(native, {}, rung, "tok_per_verify")
                 tpv_w = _rung_value(group, {}, rung, "tok_per_verify")
-                nat_req = _select(requests, {"arm": native_arm, **match, "rung": rung})
-                win_req = _select(requests, {**key, "rung": rung})
+                nat_req = select_rows(requests, {"arm": native_arm, **match, "rung": rung})
+                win_req = select_rows(requests, {**key, "rung": rung})
 
                 def wedge(n: np.ndarray, w: np.ndarray, tpv_n: float = tpv_n, tpv_w: float = tpv_w) -> np.ndarray:
                     return (tpv_n / n) / (tpv_w / w) - 1.0

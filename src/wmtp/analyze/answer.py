@@ -117,7 +117,8 @@ def series_label(row: pd.Series | dict) -> str:
     return label
 
 
-def _fmt(value: float, quantity: str) -> str:
+def format_value(value: float, quantity: str) -> str:
+    """A value in its quantity's unit: 1.23× for a ratio, 54.5 % for acceptance, +1.2 pp for its change."""
     if quantity in ("acceptance", "acceptance_change"):
         return f"{100 * value:+.1f} pp" if quantity == "acceptance_change" else f"{100 * value:.1f} %"
     return f"{value:.3g}×"
@@ -127,7 +128,9 @@ def sentence(row: pd.Series | dict) -> str:
     """One finding in words; an unresolved effect is said to be unresolved, never stated as a finding."""
     quantity, value = row["quantity"], row["value"]
     span = (
-        f"[{_fmt(row['lo'], quantity)}, {_fmt(row['hi'], quantity)}]" if math.isfinite(row["lo"]) else "(no interval)"
+        f"[{format_value(row['lo'], quantity)}, {format_value(row['hi'], quantity)}]"
+        if math.isfinite(row["lo"])
+        else "(no interval)"
     )
     where = f"{row['workload']} prompts at {int(row['rung']):,} tokens, n = {int(row['n'])}"
     what = {
@@ -135,7 +138,7 @@ def sentence(row: pd.Series | dict) -> str:
         "cost_side_ratio": "has a cost-side ratio (native MTP's verify cycle over its own) of {v}",
         "acceptance_change": "changes acceptance by {v} against native MTP",
         "acceptance": "accepts {v} of its drafts",
-    }[quantity].format(v=_fmt(value, quantity))
+    }[quantity].format(v=format_value(value, quantity))
     finding = RESOLVED if row["verdict"] == RESOLVED else "not resolved: the interval includes no effect"
     if not row["verdict"]:
         finding = "measured"

@@ -92,10 +92,11 @@ def answer_rows(tidy: Tidy) -> pd.DataFrame:
 
 def _interval_text(row: pd.Series, quantity: str) -> str:
     if not math.isfinite(row["lo"]):
-        return f"{answer._fmt(row['value'], quantity)} (n = {int(row['n'])})"
+        return f"{answer.format_value(row['value'], quantity)} (n = {int(row['n'])})"
     return (
-        f"{answer._fmt(row['value'], quantity)} [{answer._fmt(row['lo'], quantity)}, "
-        f"{answer._fmt(row['hi'], quantity)}] n = {int(row['n'])}" + (f", {row['verdict']}" if row["verdict"] else "")
+        f"{answer.format_value(row['value'], quantity)} [{answer.format_value(row['lo'], quantity)}, "
+        f"{answer.format_value(row['hi'], quantity)}] n = {int(row['n'])}"
+        + (f", {row['verdict']}" if row["verdict"] else "")
     )
 
 

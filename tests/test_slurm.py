@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = engines_dir()
 UP_SCRIPT = REPO / "scripts" / "ci" / "slurm-up.sh"
+DOWN_SCRIPT = REPO / "scripts" / "ci" / "slurm-down.sh"
 CELL = "model~tiny/engine~vllm-cpu/arm~mtp/k~3/c~1"
 RUNG = 256
 SNAKEMAKE_TIMEOUT_S = 1200
@@ -49,9 +50,10 @@ def _not_ready() -> str | None:
 
 
 @pytest.fixture(scope="module")
-def slurm() -> None:
+def slurm():
     reason = _not_ready()
     if reason is None:
+        yield
         return
     if IN_CI:
         pytest.fail(f"SLURM is not up in CI: {reason}. .ci/run starts it with {UP_SCRIPT.relative_to(REPO)}")
@@ -59,8 +61,12 @@ def slurm() -> None:
         pytest.skip(f"SLURM is not up ({reason}) and starting it needs root: run {UP_SCRIPT} as root")
     proc = subprocess.run(["timeout", "600", str(UP_SCRIPT)], capture_output=True, text=True)
     reason = _not_ready()
-    if reason is not None:
-        pytest.skip(f"could not start SLURM with {UP_SCRIPT} ({reason}): {proc.stderr[-1500:]}")
+    try:
+        if reason is not None:
+            pytest.skip(f"could not start SLURM with {UP_SCRIPT} ({reason}): {proc.stderr[-1500:]}")
+        yield
+    finally:  # the test started SLURM's daemons, so it stops them
+        subprocess.run([str(DOWN_SCRIPT)], capture_output=True, timeout=120, check=False)
 
 
 def _cell_process_env(results: Path) -> dict[str, str]:

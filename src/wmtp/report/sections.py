@@ -270,7 +270,9 @@ def speedup_change_display(section: Section) -> pd.DataFrame:
             ],
             "speedup from": [fmt_value(v, 4) for v in f["speedup_from"]],
             "speedup to": [fmt_value(v, 4) for v in f["speedup_to"]],
-            "change [95% CI]": [fmt_ci(p, lo, hi) for p, lo, hi in zip(f["change"], f["lo"], f["hi"], strict=True)],
+            "change [bootstrap interval]": [
+                fmt_ci(p, lo, hi) for p, lo, hi in zip(f["change"], f["lo"], f["hi"], strict=True)
+            ],
             "± se": [fmt_value(v) for v in f["se"]],
         }
     )

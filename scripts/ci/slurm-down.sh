@@ -4,11 +4,11 @@
 set -uo pipefail
 STATE="${WMTP_SLURM_DIR:-/var/tmp/wmtp-slurm}"
 for daemon in slurmd slurmctld; do
-    pid_file="$STATE/$daemon.pid"
-    if [[ -s "$pid_file" ]] && kill -0 "$(cat "$pid_file")" 2>/dev/null; then
-        kill "$(cat "$pid_file")"
-        for _ in $(seq 100); do kill -0 "$(cat "$pid_file")" 2>/dev/null || break; sleep 0.1; done
-        kill -9 "$(cat "$pid_file")" 2>/dev/null || true
+    pid=$(cat "$STATE/$daemon.pid" 2>/dev/null) || continue  # the daemon removes its pid file as it exits
+    if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then
+        kill "$pid"
+        for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        kill -9 "$pid" 2>/dev/null || true
     fi
 done
 pkill -u munge -x munged 2>/dev/null || true

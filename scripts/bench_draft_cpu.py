@@ -239,7 +239,21 @@ def ensure_model(path: Path) -> None:
     )
 
 
+def too_busy(load: float, limit_per_core: float) -> bool:
+    """A timing taken while the box runs other work measures the box, not the draft."""
+    return load > limit_per_core * (os.cpu_count() or 1)
+
+
 def parent(args: argparse.Namespace) -> int:
+    before = os.getloadavg()[0]
+    if too_busy(before, args.max_load_per_core):
+        log.error(
+            "refusing to benchmark: 1-minute load %.2f on %d cores is above %.1f per core; wait for an idle box",
+            before,
+            os.cpu_count() or 1,
+            args.max_load_per_core,
+        )
+        return 2
     ensure_model(args.model)
     log_dir = args.out.parent if args.log_dir is None else args.log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -274,6 +288,15 @@ def parent(args: argparse.Namespace) -> int:
         for n in args.contexts
         for arm in arms
     ]
+    busiest = max(max(values) for values in loads.values())
+    if too_busy(busiest, args.max_load_per_core):
+        log.error(
+            "not recording: the 1-minute load reached %.2f on %d cores during the run (limit %.1f per core)",
+            busiest,
+            os.cpu_count() or 1,
+            args.max_load_per_core,
+        )
+        return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as out:
         writer = csv.DictWriter(out, fieldnames=FIELDS)
@@ -308,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "measurements" / "cpu" / "draft_bench.csv")
     parser.add_argument(
         "--log-dir", type=Path, default=None, help="where the two engines' logs go (default: results/bench)"
+    )
+    parser.add_argument(
+        "--max-load-per-core",
+        type=float,
+        default=1.0,
+        help="refuse to start, or to write the CSV, when the 1-minute load average per core exceeds this",
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--arm", choices=["mtp", "wmtp"], help=argparse.SUPPRESS)

@@ -121,6 +121,32 @@ def test_series_label():
     assert labels.series_label({"arm": "wmtp", "k": 3, "sink": 16, "window": 128}) == "wmtp k=3 S=16 W=128"
 
 
+def test_a_label_says_what_the_windowed_draft_read():
+    reads = {"kv_block_size": 256, "read_sink_tokens": 256, "read_window_min": 128, "read_window_max": 383}
+    row = {"arm": "wmtp", "k": 3, "sink": 16, "window": 128, **reads}
+    assert labels.series_label(row) == "wmtp k=3 S=16 W=128 (block 256: reads S=256 W=128–383)"
+    exact = {**row, "read_sink_tokens": 16, "read_window_min": 128, "read_window_max": 128}
+    assert labels.series_label(exact) == "wmtp k=3 S=16 W=128"
+
+
+def test_labels_take_the_read_window_from_the_rung_table():
+    rungs = pd.DataFrame(
+        [
+            {"model": "m", "engine": "e", "arm": "mtp", "k": 3, "sink": None, "window": None, "kv_block_size": None},
+            {"model": "m", "engine": "e", "arm": "wmtp", "k": 3, "sink": 16, "window": 256, "kv_block_size": 128},
+        ]
+    ).assign(read_sink_tokens=[None, 128], read_window_min=[None, 256], read_window_max=[None, 383])
+    derived = pd.DataFrame(
+        [
+            {"model": "m", "engine": "e", "arm": a, "k": 3, "sink": s, "window": w}
+            for a, s, w in (("mtp", None, None), ("wmtp", 16.0, 256.0))
+        ]
+    )
+    labelled = labels.add_labels(derived, rungs).set_index("arm")
+    assert labelled.loc["mtp", "label"] == "mtp k=3"
+    assert labelled.loc["wmtp", "label"] == "wmtp k=3 S=16 W=256 (block 128: reads S=128 W=256–383)"
+
+
 def test_context_tick_labels_never_collide():
     ticks = [2048, 32768, 131072, 262144, 524288, 1_048_576]
     # a narrow panel keeps 2K … 131K … 1M and leaves 262K and 524K as bare ticks

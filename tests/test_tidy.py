@@ -107,3 +107,29 @@ def test_a_real_trained_run_on_two_workloads(tmp_path):
     positions = tables["positions"]
     per_position = positions.groupby("position")["rate"].mean()
     assert per_position.is_monotonic_decreasing  # later draft positions are accepted less often
+
+
+def test_the_window_the_draft_read_reaches_the_tables(tmp_path):
+    """The plugin's block-rounded sink and window (manifest ``wmtp_plugin``) become columns of both tables."""
+    cell = _write_cell(tmp_path / "raw" / "cell", {"code": (10, 30, 15)})
+    manifest = json.loads((cell / "manifest.json").read_text())
+    manifest["cell"].update(arm="wmtp", sink=16, window=128)
+    manifest["wmtp_plugin"] = {
+        "block_size": 256,
+        "sink_tokens": 256,
+        "window_tokens_min": 128,
+        "window_tokens_max": 383,
+        "windowed_forwards": 42,
+    }
+    (cell / "manifest.json").write_text(json.dumps(manifest))
+    tables = tidy.collect([cell], tmp_path / "tidy")
+    for name in ("requests", "rungs"):
+        row = tables[name].iloc[0]
+        assert (row["kv_block_size"], row["read_sink_tokens"]) == (256, 256), name
+        assert (row["read_window_min"], row["read_window_max"], row["windowed_forwards"]) == (128, 383, 42), name
+
+
+def test_cells_without_a_window_read_nothing_special(tmp_path):
+    cell = _write_cell(tmp_path / "raw" / "cell", {"code": (10, 30, 15)})
+    rungs = tidy.collect([cell], tmp_path / "tidy")["rungs"]
+    assert rungs[["kv_block_size", "read_sink_tokens", "read_window_max"]].isna().all().all()

@@ -35,6 +35,23 @@ def _cell_keys(manifest: dict) -> dict:
     }
 
 
+# What a windowed draft really read, as its plugin reported it: the engine rounds S up to whole KV blocks and
+# starts the window at a block boundary, so the requested S and W are not what the draft saw.
+EFFECTIVE_WINDOW_COLUMNS = {
+    "kv_block_size": "block_size",
+    "read_sink_tokens": "sink_tokens",
+    "read_window_min": "window_tokens_min",
+    "read_window_max": "window_tokens_max",
+    "windowed_forwards": "windowed_forwards",
+}
+
+
+def effective_window(manifest: dict) -> dict[str, float]:
+    """The effective-window columns of a cell (NaN for arms without a window, or before the plugin reported)."""
+    reported = manifest.get("wmtp_plugin") or {}
+    return {column: reported.get(key, math.nan) for column, key in EFFECTIVE_WINDOW_COLUMNS.items()}
+
+
 def request_table(cell_dir: Path) -> pd.DataFrame:
     manifest = json.loads((cell_dir / MANIFEST_FILE).read_text())
     frame = pd.read_parquet(cell_dir / REQUESTS_FILE)
@@ -58,6 +75,8 @@ def request_table(cell_dir: Path) -> pd.DataFrame:
     capacity = manifest.get("kv_cache") or {}
     frame["kv_cache_tokens"] = capacity.get("kv_cache_tokens")
     frame["max_concurrency"] = capacity.get("max_concurrency")
+    for column, value in effective_window(manifest).items():
+        frame[column] = value
     _per_request_acceptance(frame)
     return screen_requests(frame)
 
@@ -174,6 +193,7 @@ def rung_table(requests: pd.DataFrame, deltas: pd.DataFrame) -> pd.DataFrame:
             tok_per_j=analysis.tok_per_j(generated, energy),
             power_w=analysis.power_w(energy, window_s),
             power_status=str(group["power_status"].iloc[0]),
+            **{c: group[c].iloc[0] for c in EFFECTIVE_WINDOW_COLUMNS if c in group.columns},
         )
         rows.append(row)
     return pd.DataFrame(rows)

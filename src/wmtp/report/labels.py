@@ -65,6 +65,22 @@ def int_or_none(value: Any) -> int | None:
         return None
 
 
+def read_window_note(row: dict[str, Any] | pd.Series) -> str:
+    """'(block 256: reads S=256 W=256–511)' when the engine's KV blocks made the draft read other than S and W.
+
+    The draft reads whole blocks: the sink rounded up, the window from the block boundary before the last W
+    tokens, so W to W + B - 1 tokens. Empty when the plugin did not report, or when rounding changed nothing.
+    """
+    block = int_or_none(row.get("kv_block_size"))
+    read_sink, low, high = (int_or_none(row.get(c)) for c in ("read_sink_tokens", "read_window_min", "read_window_max"))
+    if block is None or read_sink is None or low is None or high is None:
+        return ""
+    if read_sink == int_or_none(row.get("sink")) and low == high:
+        return ""
+    window = f"{low}" if low == high else f"{low}–{high}"
+    return f"(block {block}: reads S={read_sink} W={window})"
+
+
 def series_label(
     row: dict[str, Any] | pd.Series,
     *,
@@ -81,7 +97,8 @@ def series_label(
     sink, window = int_or_none(row.get("sink")), int_or_none(row.get("window"))
     if sink is not None or window is not None:
         parts.append(f"S={sink} W={window}")
-    label = " ".join(parts)
+        parts.append(read_window_note(row))
+    label = " ".join(p for p in parts if p)
     extra = []
     if with_model:
         extra.append(str(row.get("model")))
@@ -105,6 +122,7 @@ def add_labels(frame: pd.DataFrame, reference: pd.DataFrame | None = None) -> pd
     if frame.empty:
         return frame
     ref = frame if reference is None else reference
+    frame = with_read_window(frame, ref)
     varies = {
         c: c in ref.columns and ref[c].nunique(dropna=False) > 1 for c in ("model", "engine", "concurrency", "workload")
     }
@@ -125,6 +143,30 @@ def add_labels(frame: pd.DataFrame, reference: pd.DataFrame | None = None) -> pd
     out["series"] = [series_label(r, with_concurrency=varies["concurrency"]) for r in records]
     if "rung" in out.columns:
         out["context"] = [context_label(r) for r in out["rung"]]
+    return out
+
+
+def with_read_window(frame: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with the effective-window columns of ``reference`` (the rung table), matched on the series."""
+    columns = ["kv_block_size", "read_sink_tokens", "read_window_min", "read_window_max"]
+    keys = [c for c in ("model", "engine", "arm", "k", "sink", "window") if c in frame.columns and c in reference]
+    if not keys or not set(columns) <= set(reference.columns) or set(columns) <= set(frame.columns):
+        return frame
+
+    def series_key(row: dict[str, Any]) -> tuple:
+        return tuple(int_or_none(row[c]) if c in ("k", "sink", "window") else str(row[c]) for c in keys)
+
+    reads = {
+        series_key(r): [r[c] for c in columns]
+        for r in reference.to_dict("records")
+        if int_or_none(r.get("kv_block_size")) is not None
+    }
+    if not reads:
+        return frame
+    out = frame.copy()
+    found = [reads.get(series_key(r), [math.nan] * len(columns)) for r in frame.to_dict("records")]
+    for i, column in enumerate(columns):
+        out[column] = [values[i] for values in found]
     return out
 
 

@@ -32,8 +32,10 @@ from wmtp.report.labels import (
     facet_value,
     fmt_ci,
     fmt_value,
+    read_window_note,
     series_label,
     series_styles,
+    with_read_window,
 )
 from wmtp.report.load import Section, Tidy, default_replica_path, load_published, load_replica, load_tidy
 
@@ -115,10 +117,11 @@ def answer_section(tidy: Tidy) -> Section:
     out = []
     for key, group in rows.groupby(keys, dropna=False, sort=True):
         record = dict(zip(keys, key, strict=True))
+        read = read_window_note(with_read_window(pd.DataFrame([record]), tidy.rungs).iloc[0])
         line = {
             "workload": record["workload"],
             "context": context_label(record["rung"]),
-            "series": answer.series_label(record),
+            "series": f"{answer.series_label(record)} {read}".strip(),
         }
         for _, r in group.iterrows():
             line[titles[r["quantity"]]] = _interval_text(r, r["quantity"])

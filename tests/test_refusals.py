@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from wmtp.config import GENERATED_MAX_POSITIONS, ConfigError, EngineSpec, load_study, study_from_dict, study_warnings
+from wmtp.config import (
+    GENERATED_MAX_POSITIONS,
+    ConfigError,
+    EngineSpec,
+    load_study,
+    serve_block_size,
+    study_from_dict,
+    study_warnings,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SGLANG = {"name": "sg", "kind": "sglang", "packages": ["sglang==0.5.21"]}
@@ -193,6 +201,26 @@ def test_check_config_prints_the_warning(embedded_raw, tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("is valid: 3 cells")
     assert out[1].startswith("  warning: config: arms[2].sink[0] = 16 plus arms[2].window[0] = 20000 covers"), out
+
+
+def test_a_window_off_the_engines_block_size_warns(embedded_raw):
+    embedded_raw["engines"][0]["serve_args"] += ["--block-size=128"]
+    embedded_raw["arms"][2]["window"] = [256, 300]
+    got = study_warnings(study_from_dict(embedded_raw))
+    assert got == [
+        "config: arms[2].sink[0] = 16 is not a multiple of engine 'vllm-cpu''s --block-size 128: its draft reads "
+        "whole blocks, so 128 tokens (the cells record the effective value)",
+        "config: arms[2].window[1] = 300 is not a multiple of engine 'vllm-cpu''s --block-size 128: its draft "
+        "reads whole blocks, so 300 to 427 tokens (the cells record the effective value)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "block"),
+    [(["--block-size", "64"], 64), (["--dtype", "bf16", "--block-size=32"], 32), (["--dtype", "bf16"], None)],
+)
+def test_serve_block_size(argv, block):
+    assert serve_block_size(argv) == block
 
 
 def test_shipped_studies_have_no_warnings(repo):

@@ -13,7 +13,7 @@ import hashlib
 import ipaddress
 import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -604,6 +604,43 @@ def study_warnings(study: Study) -> list[str]:
                         f"longest rung {longest} plus {output} output tokens: the draft drops nothing, so arm "
                         f"{arm.name!r} measures the same as 'mtp'; use a window below {longest + output - sink}"
                     )
+    out.extend(_block_rounding_warnings(study))
+    return out
+
+
+def serve_block_size(serve_args: Sequence[str]) -> int | None:
+    """The KV block size an engine's serve arguments set (``--block-size N`` or ``--block-size=N``), if any."""
+    for i, arg in enumerate(serve_args):
+        value = arg.split("=", 1)[1] if arg.startswith("--block-size=") else None
+        if arg == "--block-size" and i + 1 < len(serve_args):
+            value = serve_args[i + 1]
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _block_rounding_warnings(study: Study) -> list[str]:
+    # The draft reads whole KV blocks: S rounds up to a block, the window starts at a block boundary.
+    out: list[str] = []
+    for engine in study.engines:
+        block = serve_block_size(engine.serve_args)
+        if block is None:
+            continue
+        for i, arm in enumerate(study.arms):
+            if arm.name not in WINDOWED_ARMS:
+                continue
+            for name, values in (("sink", arm.sink), ("window", arm.window)):
+                for j, value in enumerate(values):
+                    if value % block:
+                        reads = -(-value // block) * block if name == "sink" else f"{value} to {value + block - 1}"
+                        out.append(
+                            f"config: arms[{i}].{name}[{j}] = {value} is not a multiple of engine {engine.name!r}'s "
+                            f"--block-size {block}: its draft reads whole blocks, so {reads} tokens (the cells "
+                            "record the effective value)"
+                        )
     return out
 
 

@@ -174,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     _setup_logging(args.log)
+    from wmtp.engines.base import CellRefused
+
     try:
         return args.func(args)
-    except ConfigError as err:
+    except (ConfigError, CellRefused) as err:
         logging.getLogger("wmtp").error("%s", err)
         return 2

@@ -9,6 +9,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 
+class CellRefused(ValueError):
+    """An engine cannot run a cell as configured; raised before its server starts, the message says why."""
+
+
 @dataclass(frozen=True)
 class ServeRequest:
     """One server start: which interpreter serves which model, on which port, with which draft."""
@@ -56,7 +60,7 @@ class EngineAdapter(ABC):
         """Cumulative spec-decode counters of a running server, by short name (drafts, accepted, …)."""
 
     def check_cell(self, spec: Any, engine_manifest: Mapping[str, Any], cell: Any, extra_args: Sequence[str]) -> None:
-        """Refuse a cell before its server starts (raise with the reason); accept by default."""
+        """Refuse a cell before its server starts (raise :class:`CellRefused`); accept by default."""
         return None
 
     def verify_cell(self, run_dir: Path, server_env: Mapping[str, str], cell: Any, protocol: Any) -> dict[str, Any]:

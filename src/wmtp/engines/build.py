@@ -157,6 +157,10 @@ def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False) -> dic
         "build_seconds": round(time.time() - started, 1),
     }
     manifest_path.write_text(json.dumps(manifest, indent=2))
+    if info.get("hook_points_refused"):
+        log.warning(
+            "engine %s serves none and mtp only; windowed arms refuse: %s", spec.name, info["hook_points_refused"]
+        )
     log.info(
         "engine %s ready in %.0f s: vllm %s, torch %s",
         spec.name,

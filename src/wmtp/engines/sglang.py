@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from wmtp.engines.base import EngineAdapter, ServeRequest
+from wmtp.engines.base import CellRefused, EngineAdapter, ServeRequest
 
 HEALTH_PATH = "/health"
 # The first sglang release whose server args have both window flags (checked in the 0.5.17–0.5.21
@@ -65,7 +65,7 @@ ARM_FLAGS = (
 REQUEST_EXTRA = {"return_spec_tokens_details": True}
 
 
-class SGLangError(ValueError):
+class SGLangError(CellRefused):
     """A cell that SGLang cannot run as configured; the message names what to change."""
 
 

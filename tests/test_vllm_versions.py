@@ -1,0 +1,204 @@
+"""The vLLM version table: the build's hook check run on sources read out of wheels by HTTP range requests."""
+
+from __future__ import annotations
+
+import http.server
+import io
+import random
+import re
+import threading
+import zipfile
+from pathlib import Path
+
+import pytest
+from test_plugin_vllm import FAKE_BACKEND, FAKE_PROPOSER
+
+from wmtp.engines import vllm_versions as vv
+from wmtp.engines.vllm import WindowUnsupported, check_cell
+from wmtp.engines.vllm_hooks import runner_switch
+from wmtp.plugin.hookpoints import HookPointError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _wheel_bytes(
+    backend: str = FAKE_BACKEND, envs: str | None = "VLLM_USE_V2_MODEL_RUNNER: bool | None = None\n"
+) -> bytes:
+    """A wheel-shaped zip: the members the check reads, plus bulk it must not read."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as wheel:
+        wheel.writestr("vllm/_version.py", "__version__ = '9.9.9'\n")
+        wheel.writestr("vllm/v1/spec_decode/llm_base_proposer.py", FAKE_PROPOSER)
+        wheel.writestr("vllm/v1/spec_decode/eagle.py", "class EagleProposer:\n    pass\n")
+        wheel.writestr("vllm/v1/attention/backend.py", backend)
+        wheel.writestr("vllm/v1/worker/gpu/model_runner.py", "class GPUModelRunner:\n    pass\n")
+        if envs is not None:
+            wheel.writestr("vllm/envs.py", envs)
+        wheel.writestr("vllm/_C.abi3.so", random.Random(0).randbytes(1 << 20))  # 1 MB the check never needs
+        wheel.writestr("vllm/v1/spec_decode/kernels/deep.py", "x = 1\n")
+    return out.getvalue()
+
+
+class _RangeServer(http.server.BaseHTTPRequestHandler):
+    """Serves one file, honouring single byte ranges as PyPI's file host does; counts bytes sent."""
+
+    body = b""
+    sent = 0
+
+    def do_GET(self) -> None:
+        start, end = 0, len(self.body) - 1
+        wanted = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+        if wanted:
+            start, end = int(wanted.group(1)), min(int(wanted.group(2)), end)
+        chunk = self.body[start : end + 1]
+        self.send_response(206 if wanted else 200)
+        self.send_header("Content-Length", str(len(chunk)))
+        self.end_headers()
+        self.wfile.write(chunk)
+        type(self).sent += len(chunk)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def wheel_server():
+    servers = []
+
+    def serve(body: bytes) -> str:
+        handler = type("Handler", (_RangeServer,), {"body": body, "sent": 0})
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}/vllm.whl", handler
+
+    yield serve
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def _check_served(serve, tmp_path: Path, body: bytes) -> tuple[dict, type]:
+    import httpx
+
+    url, handler = serve(body)
+    with httpx.Client() as client:
+        remote = vv.RangeFile(url, len(body), client.get)
+        root = vv.unpack_sources(zipfile.ZipFile(io.BufferedReader(remote, buffer_size=1 << 16)), tmp_path)
+    return vv.check_sources(root, "9.9.9"), handler
+
+
+def test_a_served_wheel_is_checked_from_a_few_members(wheel_server, tmp_path):
+    body = _wheel_bytes()
+    result, handler = _check_served(wheel_server, tmp_path, body)
+    assert result == {
+        "version": "9.9.9",
+        "status": "checked",
+        "runner": "V1 (VLLM_USE_V2_MODEL_RUNNER=0)",
+        "reason": "",
+    }
+    assert handler.sent < len(body) / 4  # the 1 MB library was never fetched
+    unpacked = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.py"))
+    assert "vllm/v1/spec_decode/kernels/deep.py" not in unpacked and "vllm/envs.py" in unpacked
+
+
+def test_a_wheel_with_an_unclassified_length_field_is_refused(wheel_server, tmp_path):
+    body = _wheel_bytes(backend=FAKE_BACKEND + "    _seq_lens_cpu: object = None\n")
+    result, _ = _check_served(wheel_server, tmp_path, body)
+    assert result["status"] == "refused"
+    assert "fields ['_seq_lens_cpu'] that the wmtp plugin neither windows, keeps nor refuses" in result["reason"]
+
+
+def test_a_v2_runner_without_the_switch_is_refused(wheel_server, tmp_path):
+    result, _ = _check_served(wheel_server, tmp_path, _wheel_bytes(envs=""))
+    assert result["status"] == "refused" and "no VLLM_USE_V2_MODEL_RUNNER switch" in result["reason"]
+
+
+def test_a_vllm_without_a_v2_runner_needs_no_switch(tmp_path):
+    (tmp_path / "vllm").mkdir()
+    assert runner_switch(tmp_path / "vllm", "0.1") == {"runner": "V1 (no V2 runner)"}
+    gpu = tmp_path / "vllm" / "v1" / "worker" / "gpu"
+    gpu.mkdir(parents=True)
+    (gpu / "model_runner.py").write_text("")
+    with pytest.raises(HookPointError, match="cannot be held on the V1 runner"):
+        runner_switch(tmp_path / "vllm", "0.1")
+
+
+def test_wheel_url_picks_the_x86_64_linux_wheel():
+    index = {
+        "files": [
+            {"filename": "vllm-0.24.0.tar.gz", "url": "s", "size": 1},
+            {"filename": "vllm-0.24.0-cp38-abi3-manylinux_2_28_aarch64.whl", "url": "a", "size": 2},
+            {"filename": "vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl", "url": "x", "size": 3},
+            {"filename": "vllm-0.24.01-cp38-abi3-manylinux_2_28_x86_64.whl", "url": "y", "size": 4},
+        ]
+    }
+    assert vv.wheel_url(index, "0.24.0") == ("x", 3)
+    with pytest.raises(LookupError, match=r"0\.25\.0"):
+        vv.wheel_url(index, "0.25.0")
+
+
+def test_status_rows_mark_only_passing_pinned_versions_tested():
+    checks = [
+        {"version": "0.9.0", "status": "refused", "reason": "r"},
+        {"version": "0.32.0", "status": "checked", "runner": "V1", "reason": ""},
+        {"version": "0.10.0", "status": "checked", "runner": "V1", "reason": ""},
+    ]
+    rows = vv.status_rows(checks, tested={"0.32.0", "0.9.0"})
+    assert [(r["version"], r["status"]) for r in rows] == [
+        ("0.9.0", "refused"),
+        ("0.10.0", "checked"),
+        ("0.32.0", "tested"),
+    ]
+    table = vv.render_table(rows)
+    assert "| 0.9.0 | refused | — | r |" in table and "| 0.32.0 | tested | V1 | — |" in table
+
+
+def test_the_embedded_engine_pin_is_the_tested_version():
+    assert vv.tested_versions([REPO / "config" / "config.yaml"]) == {"0.32.0"}
+
+
+def test_the_readme_shows_the_committed_table():
+    table = (REPO / "docs" / "vllm-versions.md").read_text().split("\n\n")[-1]
+    readme = (REPO / "README.md").read_text()
+    assert vv.replace_block(readme, table) == readme, "README's vLLM table differs from docs/vllm-versions.md"
+    tested = [line for line in table.splitlines() if "| tested |" in line]
+    assert [line.split("|")[1].strip() for line in tested] == sorted(
+        vv.tested_versions([REPO / "config" / "config.yaml"])
+    )
+
+
+class _Spec:
+    name = "vllm-old"
+
+
+class _Cell:
+    def __init__(self, arm: str) -> None:
+        self.arm = arm
+
+
+def test_an_engine_that_failed_the_hook_check_serves_no_windowed_arm():
+    manifest = {"versions": {"vllm": "0.24.0", "hook_points_refused": "vLLM 0.24.0: … has fields ['_seq_lens_cpu']"}}
+    for arm in ("none", "mtp"):
+        check_cell(_Spec(), manifest, _Cell(arm))
+    for arm in ("wmtp", "wmtp-ring"):
+        with pytest.raises(WindowUnsupported, match=r"engine 'vllm-old' cannot serve arm .*_seq_lens_cpu"):
+            check_cell(_Spec(), manifest, _Cell(arm))
+    check_cell(_Spec(), {"versions": {"hook_points": {}}}, _Cell("wmtp"))
+
+
+@pytest.mark.engine
+def test_the_tested_row_is_what_the_engine_itself_reports(engine_python):
+    """The engine the suite runs passes the same check in its own interpreter, as the table says."""
+    import json
+    import subprocess
+
+    probe = "import json; from wmtp.engines.vllm_hooks import check_hook_points; print(json.dumps(check_hook_points()))"
+    out = subprocess.run([engine_python, "-c", probe], capture_output=True, text=True, check=True, timeout=300)
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = {
+        line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:4]]
+        for line in (REPO / "docs" / "vllm-versions.md").read_text().splitlines()
+        if line.startswith("| 0.")
+    }
+    assert rows[found["vllm_version"]] == ["tested", found["runner"]]

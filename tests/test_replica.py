@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import os
 from pathlib import Path
 
@@ -11,7 +12,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from wmtp.analyze import costmodel as cm  # noqa: E402
-from wmtp.replica import replica as rp  # noqa: E402
+from wmtp.replica import cli  # noqa: E402
+from wmtp.replica import floor as fl  # noqa: E402
+from wmtp.replica import kernels as kn  # noqa: E402
+from wmtp.replica import model as md  # noqa: E402
+from wmtp.replica import sweep as sw  # noqa: E402
 
 MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
 BF16_TOL = 2e-2  # relative error of bf16 operands
@@ -45,7 +50,7 @@ def sdpa_plain(q, kc, vc, end):
 def test_full_equals_plain_attention(backend, t):
     q, kc, vc = fresh(t=t, n=257)
     end = kc.shape[0]
-    got = rp.decode_attention(q, kc, vc, [rp.KeyRange(0, end, causal_tail=t)], backend=backend, splits=5)
+    got = kn.decode_attention(q, kc, vc, [kn.KeyRange(0, end, causal_tail=t)], backend=backend, splits=5)
     assert rel_err(got, sdpa_plain(q, kc, vc, end)) < BF16_TOL
 
 
@@ -53,36 +58,36 @@ def test_full_equals_plain_attention(backend, t):
 def test_windowed_equals_masked_sink_and_window(backend):
     q, kc, vc = fresh(t=1, n=999)
     end, sink, window = kc.shape[0], 4, 128
-    plan = rp.StepPlan(context=end - 1, k=3, arm="wmtp", sink=sink, window=window)
+    plan = md.StepPlan(context=end - 1, k=3, arm="wmtp", sink=sink, window=window)
     ranges = plan.draft_ranges(0)
-    assert ranges[0] == rp.KeyRange(0, sink)
+    assert ranges[0] == kn.KeyRange(0, sink)
     assert ranges[1].end == end and ranges[1].end - ranges[1].start == window
     visible = torch.zeros(1, end, dtype=torch.bool)
     visible[:, :sink] = True
     visible[:, end - window :] = True
-    ref = rp.reference_attention(q, kc, vc, visible)
-    got = rp.decode_attention(q, kc, vc, ranges, backend=backend, splits=3)
+    ref = kn.reference_attention(q, kc, vc, visible)
+    got = kn.decode_attention(q, kc, vc, ranges, backend=backend, splits=3)
     assert rel_err(got, ref) < BF16_TOL
     # and it differs from full attention (the window is really applied)
-    full = rp.decode_attention(q, kc, vc, [rp.KeyRange(0, end, causal_tail=1)], backend=backend)
+    full = kn.decode_attention(q, kc, vc, [kn.KeyRange(0, end, causal_tail=1)], backend=backend)
     assert rel_err(got, full) > 0.05
 
 
 def test_native_draft_ranges_cover_everything():
-    plan = rp.StepPlan(context=1000, k=3, arm="mtp", sink=4, window=128)
-    assert plan.draft_ranges(2) == [rp.KeyRange(0, 1003, causal_tail=1)]
-    short = rp.StepPlan(context=100, k=3, arm="wmtp", sink=4, window=128)
-    assert short.draft_ranges(0) == [rp.KeyRange(0, 101, causal_tail=1)]
+    plan = md.StepPlan(context=1000, k=3, arm="mtp", sink=4, window=128)
+    assert plan.draft_ranges(2) == [kn.KeyRange(0, 1003, causal_tail=1)]
+    short = md.StepPlan(context=100, k=3, arm="wmtp", sink=4, window=128)
+    assert short.draft_ranges(0) == [kn.KeyRange(0, 101, causal_tail=1)]
 
 
 def test_split_kv_merge_equals_unsplit():
     q, kc, vc = fresh(hq=4, hkv=1, d=16, n=1000, t=4, dtype=torch.float32)
-    qf = rp.fold_queries(q, 1)
-    one_o, one_lse = rp._math_partial(qf, kc, vc, 0.25)
-    parts = [rp._math_partial(qf, kc[s : s + 97], vc[s : s + 97], 0.25) for s in range(0, kc.shape[0], 97)]
+    qf = kn.fold_queries(q, 1)
+    one_o, one_lse = kn._math_partial(qf, kc, vc, 0.25)
+    parts = [kn._math_partial(qf, kc[s : s + 97], vc[s : s + 97], 0.25) for s in range(0, kc.shape[0], 97)]
     outs = torch.stack([torch.nn.functional.pad(o, (0, 0)) for o, _ in parts])
     lses = torch.stack([lse for _, lse in parts])
-    merged, lse = rp.merge_partials(outs, lses)
+    merged, lse = kn.merge_partials(outs, lses)
     assert rel_err(merged, one_o) < 1e-5
     assert torch.allclose(lse, one_lse, atol=1e-4)
 
@@ -90,10 +95,10 @@ def test_split_kv_merge_equals_unsplit():
 def test_split_counts_do_not_change_the_result():
     q, kc, vc = fresh(t=3, n=2000)
     end = kc.shape[0]
-    rng = [rp.KeyRange(0, end, causal_tail=3)]
-    a = rp.decode_attention(q, kc, vc, rng, backend="aten", splits=1)
-    b = rp.decode_attention(q, kc, vc, rng, backend="aten", splits=13)
-    c = rp.decode_attention(q, kc, vc, rng, backend="math", splits=7)
+    rng = [kn.KeyRange(0, end, causal_tail=3)]
+    a = kn.decode_attention(q, kc, vc, rng, backend="aten", splits=1)
+    b = kn.decode_attention(q, kc, vc, rng, backend="aten", splits=13)
+    c = kn.decode_attention(q, kc, vc, rng, backend="math", splits=7)
     assert rel_err(a, b) < BF16_TOL and rel_err(a, c) < BF16_TOL
 
 
@@ -116,7 +121,7 @@ def test_mamba2_first_token_is_outer_product():
     so = torch.empty(1, hv, dk, dv)
     out = torch.empty(1, hv, dv)
     d_skip = torch.rand(hv)
-    rp.fused_recurrence(True, c, b, x, None, dtraw, a_log, dt_bias, d_skip, s0, so, out, 1.0)
+    kn.fused_recurrence(True, c, b, x, None, dtraw, a_log, dt_bias, d_skip, s0, so, out, 1.0)
     dt = torch.nn.functional.softplus(dtraw[0] + dt_bias)
     bb, cc = b[0].repeat_interleave(2, 0), c[0].repeat_interleave(2, 0)
     expect_h = bb[:, :, None] * (x[0] * dt[:, None])[:, None, :]
@@ -132,10 +137,10 @@ def test_gdn_delta_rule_on_zero_state():
     s0 = torch.zeros(hv, dk, dv)
     so = torch.empty(1, hv, dk, dv)
     out = torch.empty(1, hv, dv)
-    rp.fused_recurrence(False, q, k, v, braw, graw, a_log, dt_bias, None, s0, so, out, 0.5)
-    kn = torch.nn.functional.normalize(k[0], dim=-1, eps=0).repeat_interleave(2, 0)
+    kn.fused_recurrence(False, q, k, v, braw, graw, a_log, dt_bias, None, s0, so, out, 0.5)
+    k_unit = torch.nn.functional.normalize(k[0], dim=-1, eps=0).repeat_interleave(2, 0)
     beta = torch.sigmoid(braw[0])
-    assert torch.allclose(so[0], kn[:, :, None] * (v[0] * beta[:, None])[:, None, :], atol=1e-4)
+    assert torch.allclose(so[0], k_unit[:, :, None] * (v[0] * beta[:, None])[:, None, :], atol=1e-4)
 
 
 TINY_GDN = {
@@ -184,30 +189,109 @@ TINY_MAMBA = {
 @pytest.mark.parametrize("backend", ["math", "aten"])
 def test_tiny_replica_step_runs_on_cpu(model, backend):
     spec = cm.model_from_dict(model)
-    rep = rp.Replica(spec, capacity=600, max_k=3, device="cpu")
+    rep = md.Replica(spec, capacity=600, max_k=3, device="cpu")
     # experts held = expected distinct experts for k + 1 tokens
     m = spec.moe
-    moe = next(b for blocks in rep.layers for b in blocks if isinstance(b, rp.MoE))
+    moe = next(b for blocks in rep.layers for b in blocks if isinstance(b, md.MoE))
     assert moe.n_alloc == round(cm.expected_distinct_experts(m.num_experts, m.top_k, 4))
-    ctx = rp.AttnCtx(backend, splits=4)
+    ctx = md.AttnCtx(backend, splits=4)
     for arm in ("mtp", "wmtp", "none"):
-        tok = rep.step(rp.StepPlan(context=512, k=3, arm=arm, sink=4, window=64), ctx)
+        tok = rep.step(md.StepPlan(context=512, k=3, arm=arm, sink=4, window=64), ctx)
         assert tok.shape == (1,) and 0 <= int(tok) < spec.vocab_size
-    x = rep.target_body(rp.StepPlan(512, 3, "mtp", 4, 64), ctx)
+    two = md.Replica(spec, capacity=600, max_k=3, device="cpu", batch=2)
+    assert two.step(md.StepPlan(512, 3, "wmtp", 4, 64, batch=2), ctx).shape == (2,)
+    x = rep.target_body(md.StepPlan(512, 3, "mtp", 4, 64), ctx)
     assert x.shape == (4, spec.hidden_size) and torch.isfinite(x.float()).all()
-    skip = rep.target_body(rp.StepPlan(512, 3, "mtp", 4, 64), rp.AttnCtx(backend, skip_core=True))
+    skip = rep.target_body(md.StepPlan(512, 3, "mtp", 4, 64), md.AttnCtx(backend, skip_core=True))
     assert torch.isfinite(skip.float()).all()
 
 
 def test_shipped_model_builds_at_tiny_context_budget():
-    """The real 35B shapes parse and the replica's memory estimate is sane (no allocation)."""
+    """The real 35B shapes parse and the replica's memory estimate is sane (no allocation): one 1M request
+    fits an H200, eight do not (each holds about 23 GB of KV), and 20 GiB holds none."""
     spec = cm.load_model(MODELS / "qwen3.6-35b-a3b.json")
-    assert rp._fits(spec, 1 << 20, 5, 139 << 30)
-    assert not rp._fits(spec, 1 << 20, 5, 20 << 30)
+    h200, slack = 139 << 30, 6 << 30
+    top = fl.largest_batch(spec, 1 << 20, 5, [1, 2, 4, 8], h200, slack)
+    assert 1 <= top < 8
+    assert fl.largest_batch(spec, 1 << 20, 5, [1, 2, 4, 8], 20 << 30, slack) == 0
+    assert fl.largest_batch(spec, 128 << 10, 5, [1, 2, 4, 8], h200, slack) == 8
+    per_request = fl.replica_bytes(spec, 1 << 20, 5, 2) - fl.replica_bytes(spec, 1 << 20, 5, 1)
+    # a second request adds its KV and state, and the experts its tokens touch
+    assert per_request > cm.kv_memory(spec, 1 << 20).total
+
+
+@pytest.mark.parametrize("path", sorted(MODELS.glob("*.json")), ids=lambda p: p.stem)
+def test_floor_at_batch_one_is_the_cost_models_step(path):
+    spec = cm.load_model(path)
+    for arm, k in (("none", 0), ("mtp", 3), ("wmtp", 5)):
+        parts = fl.step_bytes(spec, 300_000, k, arm, sink=64, window=4032)
+        sc = cm.step_cost(spec, 300_000, k, arm, sink=64, window=4032)
+        assert sum(parts.values()) == pytest.approx(sc.bytes.total)
+        assert parts["target_attn"] + parts["draft_attn"] == pytest.approx(sc.bytes.kv)
+        ms = fl.step_floor_ms(spec, 300_000, k, arm, 4e12, sink=64, window=4032)
+        assert ms["step"] == pytest.approx(sc.bytes.total / 4e12 * 1e3)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_floor_ratio_climbs_with_batch_towards_the_kv_ceiling(k):
+    """More requests share the weights and add KV: the cost-side ratio rises towards 1 + k/L_full, never past it."""
+    path = MODELS / "qwen3.6-35b-a3b.json"
+    spec, ceiling = cm.load_model(path), cm.limit_ratio(path, k)
+    ratios = [fl.predicted_ratio(spec, 1 << 20, k, 4e12, batch=b, sink=64, window=4032) for b in (1, 2, 4, 8, 64)]
+    assert all(a < b for a, b in itertools.pairwise(ratios))
+    # at 64 requests the weights are a small part: within a tenth of the wedge below the ceiling
+    assert ratios[-1] < ceiling and (ceiling - ratios[-1]) / (ceiling - 1) < 0.1
+    assert ratios[0] == pytest.approx(cm.predict(path, 1 << 20, k, 64, 4032, 4e12).ratio)
+    with pytest.raises(ValueError):
+        fl.step_bytes(spec, 1000, k, "mtp", batch=0)
+
+
+def test_layer_delta_error_sees_what_the_output_error_hides():
+    """A 1 % error in a block's delta is invisible in its output when the residual is 1,000 times larger."""
+    x = torch.randn(6, 256) * 1000
+    delta = torch.randn(6, 256)
+    ref = x + delta
+    got = x + delta * 1.01
+    assert sw.rel_error(got, ref) < 1e-4
+    assert sw.delta_error(got, ref, x) == pytest.approx(0.01, rel=1e-3)
+
+
+def test_tuned_launch_is_a_new_value_and_the_defaults_stay():
+    base = kn.AttnLaunch()
+    tuned = base.with_tuned(128, 32, (32, 8, 3))
+    assert tuned.choose(128, 32) == (32, 8, 3)
+    assert not base.has(128, 32) and (128, 32) not in kn.ATTN_TUNED_H200
+    assert base.choose(256, 16) == kn.ATTN_TUNED_H200[(256, 16)]
+    assert base.with_override((32, None, None)).choose(256, 16)[0] == 32
+    # a launch too large for shared memory is shrunk until it fits
+    bn, _, st = base.with_override((256, 4, 4)).choose(256, 64)
+    assert kn.attn_smem_bytes(64, bn, st, 256) <= kn.SMEM_LIMIT
+    with pytest.raises(TypeError):
+        kn.ATTN_TUNED_H200[(1, 1)] = (1, 1, 1)  # type: ignore[index]
+
+
+@pytest.mark.parametrize("backend", ["math", "aten"])
+def test_a_batched_request_sees_only_its_own_cache_and_state(backend):
+    """Request 0 of a batch of two gives what it gives alone: attention and recurrent blocks, block by block."""
+    spec = cm.model_from_dict(TINY_GDN)
+    rep = md.Replica(spec, capacity=600, max_k=3, device="cpu", batch=2)
+    plan = md.StepPlan(512, 3, "mtp", 4, 64, batch=2)
+    ctx = md.AttnCtx(backend, splits=4)
+    blocks = [b for b in rep.blocks() if not isinstance(b, md.MoE)]
+    assert {type(b) for b in blocks} == {md.Attention, md.Recurrent}
+    saved = rep.save_conv_states()
+    for b in blocks:
+        x = torch.randn(8, spec.hidden_size, dtype=rep.dtype)
+        rep.load_conv_states(saved)
+        both = rep.block_forward(b, x, 512, plan.verify_ranges(), ctx, 2)
+        rep.load_conv_states(saved)
+        alone = rep.block_forward(b, x[:4], 512, plan.verify_ranges(), ctx, 1)
+        assert rel_err(both[:4], alone) < 1e-2
+        assert rel_err(both[4:], alone) > 0.05  # the other request has its own cache and state
 
 
 @pytest.mark.skipif(
-    not (rp.HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"),
+    not (kn.HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"),
     reason="Triton kernels run on CPU only under TRITON_INTERPRET=1",
 )
 def test_triton_kernels_in_interpreter():
@@ -217,16 +301,16 @@ def test_triton_kernels_in_interpreter():
     q, kc, vc = fresh(hq=8, hkv=2, d=32, n=300, t=4, dtype=f32)
     end = kc.shape[0]
     gate = torch.randn(4, 8, 32)
-    for ranges in ([rp.KeyRange(0, end, causal_tail=4)], [rp.KeyRange(0, 4), rp.KeyRange(end - 64, end, 4)]):
-        got = rp.decode_attention(q, kc, vc, ranges, backend="triton", splits=3, gate=gate)
-        ref = rp.decode_attention(q, kc, vc, ranges, backend="math", splits=2, gate=gate)
+    for ranges in ([kn.KeyRange(0, end, causal_tail=4)], [kn.KeyRange(0, 4), kn.KeyRange(end - 64, end, 4)]):
+        got = kn.decode_attention(q, kc, vc, ranges, backend="triton", splits=3, gate=gate)
+        ref = kn.decode_attention(q, kc, vc, ranges, backend="math", splits=2, gate=gate)
         assert rel_err(got, ref) < 1e-4
     # rmsnorm on strided views, with a gate
     y = torch.randn(5, 3, 80)
     w = torch.rand(16)
     for gate in (None, y[..., 64:80]):
-        a = rp.rms_norm_into(y[..., :16], w, torch.empty(5, 3, 16), gate=gate, impl="triton")
-        b = rp.rms_norm_into(y[..., :16], w, torch.empty(5, 3, 16), gate=gate, impl="torch")
+        a = kn.rms_norm_into(y[..., :16], w, torch.empty(5, 3, 16), gate=gate, impl="triton")
+        b = kn.rms_norm_into(y[..., :16], w, torch.empty(5, 3, 16), gate=gate, impl="torch")
         assert rel_err(a, b) < 1e-5
     # conv with state
     x = torch.randn(4, 700)[:, :600]
@@ -234,8 +318,8 @@ def test_triton_kernels_in_interpreter():
     st1, st2 = torch.randn(3, 600), None
     st2 = st1.clone()
     o1, o2 = torch.empty(4, 600), torch.empty(4, 600)
-    rp.conv4_update(x, cw, st1, o1, "triton")
-    rp.conv4_update(x, cw, st2, o2, "torch")
+    kn.conv4_update(x, cw, st1, o1, "triton")
+    kn.conv4_update(x, cw, st2, o2, "torch")
     assert rel_err(o1, o2) < 1e-5 and rel_err(st1, st2) < 1e-6
     # recurrences
     for mamba in (False, True):
@@ -245,7 +329,7 @@ def test_triton_kernels_in_interpreter():
         outs = []
         for impl in ("triton", "torch"):
             so, o = torch.empty(t, hv, dk, dv), torch.empty(t, hv, dv)
-            rp.fused_recurrence(mamba, qq, kk, vv, braw, graw, a_log, dt_bias, torch.rand(hv) * 0 + 1, s0, so, o,
+            kn.fused_recurrence(mamba, qq, kk, vv, braw, graw, a_log, dt_bias, torch.rand(hv) * 0 + 1, s0, so, o,
                                 0.3, impl)  # fmt: skip
             outs.append((o, so))
         assert rel_err(outs[0][0], outs[1][0]) < 1e-4 and rel_err(outs[0][1], outs[1][1]) < 1e-4
@@ -253,23 +337,29 @@ def test_triton_kernels_in_interpreter():
     for swiglu in (True, False):
         u = torch.randn(3, 5 * (2 if swiglu else 1) * 24)
         comb = torch.rand(7, 6)
-        a = rp.expert_act(u, 5, 24, swiglu, comb, torch.empty(3, 5 * 24), "triton")
-        b = rp.expert_act(u, 5, 24, swiglu, comb, torch.empty(3, 5 * 24), "torch")
+        a = kn.expert_act(u, 5, 24, swiglu, comb, torch.empty(3, 5 * 24), "triton")
+        b = kn.expert_act(u, 5, 24, swiglu, comb, torch.empty(3, 5 * 24), "torch")
         assert rel_err(a, b) < 1e-5
     # a whole tiny replica: fused vs torch
+    logits = torch.randn(5, 40)[:, 3:36]
+    idx, wt = kn.router_topk(logits, 4, "triton")
+    ref_idx, ref_wt = kn.router_topk(logits, 4, "torch")
+    assert torch.equal(idx, ref_idx) and rel_err(wt, ref_wt) < 1e-5
+    # batched attention: each request over its own cache
+    q2, k2, v2 = torch.randn(2, 8, 3, 32), torch.randn(2, 303, 2, 32), torch.randn(2, 303, 2, 32)
+    rng = [kn.KeyRange(0, 303, causal_tail=3)]
+    got = kn.decode_attention(q2, k2, v2, rng, backend="triton", splits=3, gate=torch.randn(2, 3, 8, 32))
+    assert got.shape == (2, 8, 3, 32)
+    for b in range(2):
+        alone = kn.decode_attention(q2[b], k2[b], v2[b], rng, backend="math", splits=2)
+        assert rel_err(kn.decode_attention(q2[b:b + 1], k2[b:b + 1], v2[b:b + 1], rng, backend="triton"),
+                       alone[None]) < 1e-4  # fmt: skip
+    # every block of a tiny replica over a batch of two, fused vs torch, on its delta
     for model in (TINY_GDN, TINY_MAMBA):
-        rep = rp.Replica(cm.model_from_dict(model), 600, 3, "cpu", dtype=f32, impl="triton")
-        plan = rp.StepPlan(512, 3, "wmtp", 4, 64)
-        res = {}
-        saved = rep.save_conv_states()
-        for impl, backend in (("triton", "triton"), ("torch", "math")):
-            rep.set_impl(impl)
-            rep.load_conv_states(saved)
-            xx = rep.target_body(plan, rp.AttnCtx(backend, splits=3))
-            dd = rep.draft_body(plan, 1, rep.tokens[:1], xx[-1:], rp.AttnCtx(backend, splits=3))
-            res[impl] = (xx, dd)
-        assert rel_err(res["triton"][0], res["torch"][0]) < 1e-3
-        assert rel_err(res["triton"][1], res["torch"][1]) < 1e-3
+        rep = md.Replica(cm.model_from_dict(model), 600, 3, "cpu", dtype=f32, impl="triton", batch=2)
+        plan = md.StepPlan(512, 3, "wmtp", 4, 64, batch=2)
+        errs = sw.block_delta_errors(rep, plan, md.AttnCtx("triton", splits=3), md.AttnCtx("math", splits=2))
+        assert len(errs) == len(rep.blocks()) and max(e for _, e in errs) < 1e-3, errs
 
 
 def test_tidy_joins_prediction(tmp_path):
@@ -281,16 +371,17 @@ def test_tidy_joins_prediction(tmp_path):
         w = csv.writer(f)
         w.writerow(["bytes", "median_ms", "bandwidth", "reps"])
         w.writerow([8e9, 2.0, 4.0e12, 20])
-    fields = ["model", "context", "k", "sink", "window", "backend", "arm", "median_ms", "p10_ms", "p90_ms"]
+    fields = ["model", "context", "k", "batch", "sink", "window", "backend", "arm", "median_ms", "p10_ms", "p90_ms"]
     with open(raw / "replica_steps.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fields)
         w.writeheader()
-        for arm, ms in (("mtp", 10.0), ("wmtp", 8.0), ("none", 5.0)):
+        for (arm, ms), nb in itertools.product((("mtp", 10.0), ("wmtp", 8.0), ("none", 5.0)), (2, 1)):
             w.writerow(
                 {
                     "model": "Qwen3.6-35B-A3B",
                     "context": 1 << 20,
                     "k": 0 if arm == "none" else 3,
+                    "batch": nb,
                     "sink": 4,
                     "window": 2048,
                     "backend": "triton",
@@ -301,14 +392,22 @@ def test_tidy_joins_prediction(tmp_path):
                 }
             )
     out = tmp_path / "tidy" / "replica.parquet"
-    assert rp.main(["tidy", "--raw", str(raw), "--models-dir", str(MODELS), "--out", str(out)]) == 0
+    assert cli.main(["tidy", "--raw", str(raw), "--models-dir", str(MODELS), "--out", str(out)]) == 0
     import pandas as pd
 
     df = pd.read_parquet(out)
+    assert list(df["batch"]) == sorted(df["batch"])  # batch 1 first: readers that ignore batch see it
     nat = df[df.arm == "mtp"].iloc[0]
-    assert nat.measured_ratio == pytest.approx(1.25)
+    assert nat.batch == 1 and nat.measured_ratio == pytest.approx(1.25)
     p = cm.predict(MODELS / "qwen3.6-35b-a3b.json", 1 << 20, 3, 4, 2048, 4.0e12)
     assert nat.predicted_ratio == pytest.approx(p.ratio)
+    two = df[(df.arm == "mtp") & (df.batch == 2)].iloc[0]
+    spec = cm.load_model(MODELS / "qwen3.6-35b-a3b.json")
+    assert two.predicted_ratio == pytest.approx(
+        fl.predicted_ratio(spec, 1 << 20, 3, 4.0e12, batch=2, sink=4, window=2048)
+    )
+    assert two.predicted_ratio > nat.predicted_ratio
+    assert two.step_over_floor == pytest.approx(10.0 / two.predicted_ms)
 
 
 def test_sweep_dry_run_on_cpu(tmp_path):
@@ -323,16 +422,21 @@ def test_sweep_dry_run_on_cpu(tmp_path):
     out = tmp_path / "out"
     argv = ["sweep", "--device", "cpu", "--models", *models, "--contexts", "600,1000", "--ks", "1,3"]
     argv += ["--reps", "2", "--sink", "16", "--window", "64", "--out", str(out), "--attn-bench", "800"]
-    assert rp.main(argv) == 0
+    assert cli.main([*argv, "--batches", "1,2"]) == 0
     names = sorted(p.name for p in out.iterdir())
-    assert names == sorted([f"{t}.csv" for t in rp.TABLES] + ["replica_manifest.json"]), names
+    assert names == sorted([f"{t}.csv" for t in sw.TABLES] + ["replica_manifest.json"]), names
     with open(out / "replica_summary.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 2 * 2 * 2  # models x contexts x ks
+    assert len(rows) == 2 * 2 * 2 * 2  # models x contexts x ks x batches
+    assert {r["batch"] for r in rows} == {"1", "2"}
     assert all(float(r["ratio"]) > 0 and float(r["predicted_ratio"]) >= 1.0 for r in rows)
     with open(out / "replica_checks.csv") as f:
         checks = list(csv.DictReader(f))
     assert checks and all(c["ok"] == "True" for c in checks), checks
+    assert "attention_batch" in {c["check"] for c in checks}
+    with open(out / "replica_steps.csv") as f:
+        steps = list(csv.DictReader(f))
+    assert all(float(r["floor_ms"]) > 0 and float(r["step_over_floor"]) > 0 for r in steps)
     with open(out / "replica_components.csv") as f:
         comps = {r["component"] for r in csv.DictReader(f)}
     assert comps == {

@@ -74,7 +74,7 @@ def engine_python_of(engine_name):
     return engine_python(STUDY.engine(engine_name), ENGINES / engine_name)
 
 
-TRAINED_FIXTURE = Path(workflow.basedir) / "tests" / "fixtures" / "tiny-trained"
+TRAINED_FIXTURE = layout.TRAINED_CHECKPOINT
 
 
 def generated_names(kind):

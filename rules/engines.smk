@@ -2,6 +2,9 @@
 
 
 rule engine:
+    input:
+        # Served once by the CPU build's behavioural self-check; a newer checkpoint does not rebuild an engine.
+        selfcheck_model=ancient(TRAINED_FIXTURE),
     output:
         engine_manifest("{engine}"),
     log:
@@ -9,7 +12,8 @@ rule engine:
     params:
         py=PY,
         # The engine's spec alone: another change to the study leaves a built engine alone.
-        spec=lambda wc: STUDY.engine(wc.engine).model_dump_json(),
+        # Keys sorted: the same spec reads the same from config.yaml and from study.json.
+        spec=lambda wc: json.dumps(STUDY.engine(wc.engine).model_dump(mode="json"), sort_keys=True),
     localrule: True
     conda:
         "../envs/pipeline.yaml"

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# The committed trained tiny hybrid MTP checkpoint: the embedded study's model and the CPU engine's self-check.
+TRAINED_CHECKPOINT = REPO_ROOT / "tests" / "fixtures" / "tiny-trained"
 
 STUDY_FILE = "study.json"
 RAW_DIR = "raw"

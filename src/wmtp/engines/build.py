@@ -18,7 +18,7 @@ from pathlib import Path
 
 from wmtp.config import EngineSpec
 from wmtp.engines import adapter
-from wmtp.layout import REPO_ROOT
+from wmtp.layout import REPO_ROOT, TRAINED_CHECKPOINT
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,39 @@ def probe(python: str, spec: EngineSpec) -> dict:
     raise EngineBuildError(f"engine self-check failed in {python} (exit {proc.returncode}):\n{tail}")
 
 
+# A checkpoint of the hybrid MTP family the plugin windows, small enough to serve in seconds on a CPU.
+SELFCHECK_MODEL = TRAINED_CHECKPOINT
+
+
+def behaviour_check(python: str, spec: EngineSpec, info: dict) -> dict:
+    """Run one windowed draft in the engine and require the plugin to count it (vLLM on the CPU only).
+
+    The hook check reads source; this proves the hook is on the path that runs. It needs a model the
+    engine can serve in seconds, which on a GPU box is left to the first ``wmtp`` cell's own check.
+    """
+    if spec.kind != "vllm" or spec.device != "cpu":
+        return {"status": "not run", "why": "runs for vLLM on the CPU; on a GPU every wmtp cell checks its counters"}
+    if info.get("hook_points_refused"):
+        return {"status": "not run", "why": "the hook check refused this vLLM"}
+    log.info("self-check: one windowed draft on %s", SELFCHECK_MODEL.name)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), **spec.env}
+    proc = subprocess.run(
+        [python, "-m", "wmtp.plugin.selfcheck", "--model", str(SELFCHECK_MODEL)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        timeout=900,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("WMTP-SELFCHECK "):
+            return {"status": "passed", **json.loads(line[len("WMTP-SELFCHECK ") :])}
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-6:])
+    raise EngineBuildError(
+        f"engine self-check: the windowed draft did not run in {python} (exit {proc.returncode}):\n{tail}"
+    )
+
+
 def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False) -> dict:
     """Make the engine environment usable and return its manifest (also written to engine_dir)."""
     engine_dir = engine_dir.resolve()
@@ -94,7 +127,8 @@ def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False) -> dic
     python = engine_python(spec, engine_dir)
     if manifest_path.exists() and not force:
         old = json.loads(manifest_path.read_text())
-        if old.get("spec_hash") == want and Path(python).exists():
+        # A manifest from before the behavioural check falls through to the self-checks (no reinstall).
+        if old.get("spec_hash") == want and Path(python).exists() and "behaviour_check" in old:
             log.info("engine %s is up to date (%s)", spec.name, engine_dir)
             return old
     if spec.source == "container":  # nothing to install: record the image digest and self-check inside it
@@ -144,6 +178,7 @@ def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False) -> dic
         freeze = subprocess.run([python, "-m", "pip", "freeze"], capture_output=True, text=True, check=False)
     log.info("self-check: importing %s and checking the hook points", spec.kind)
     info = probe(python, spec)
+    behaviour = behaviour_check(python, spec, info)
     manifest = {
         "engine": spec.name,
         "kind": spec.kind,
@@ -152,6 +187,7 @@ def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False) -> dic
         "spec_hash": want,
         "python": python,
         "versions": info,
+        "behaviour_check": behaviour,
         "packages": sorted(freeze.stdout.split()),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "build_seconds": round(time.time() - started, 1),

@@ -1,0 +1,65 @@
+"""The engine build's behavioural self-check: a real windowed draft on the CPU build, counted by the plugin."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from wmtp.config import EngineSpec
+from wmtp.engines.build import SELFCHECK_MODEL, EngineBuildError, behaviour_check
+
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def _selfcheck(engine_python: str, extra_env: dict[str, str]) -> subprocess.CompletedProcess:
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **CPU_ENV, **extra_env}
+    return subprocess.run(
+        [engine_python, "-m", "wmtp.plugin.selfcheck", "--model", str(SELFCHECK_MODEL)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+
+
+@pytest.mark.engine
+def test_the_self_check_counts_windowed_drafts_and_skipped_blocks(engine_python):
+    out = _selfcheck(engine_python, {})
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("WMTP-SELFCHECK "))
+    found = json.loads(line.split(" ", 1)[1])
+    assert found["windowed_forwards"] > 0 and found["blocks_skipped"] > 0
+    # the draft reads the sink's block and the window's: every longer context skipped the rest
+    assert found["sink_tokens"] == found["block_size"] and found["window_tokens_min"] == 128
+
+
+@pytest.mark.engine
+def test_the_self_check_fails_with_the_plugins_message_when_the_hook_does_nothing(engine_python, tmp_path):
+    (tmp_path / "control.json").write_text(json.dumps({"skip_window": True}))
+    out = _selfcheck(engine_python, {"WMTP_PLUGIN_TEST_DIR": str(tmp_path)})
+    assert out.returncode == 1
+    assert "wmtp self-check failed: the windowed draft never ran" in out.stderr
+    assert "0 of " in out.stderr and "draft forwards windowed" in out.stderr
+
+
+def _spec(**kw) -> EngineSpec:
+    return EngineSpec(name="e", kind="vllm", **kw)
+
+
+def test_the_behaviour_check_is_not_run_where_it_cannot_be(tmp_path):
+    gpu = behaviour_check("/nonexistent/python", _spec(device="cuda"), {})
+    assert gpu["status"] == "not run" and "GPU" in gpu["why"]
+    refused = behaviour_check("/nonexistent/python", _spec(device="cpu"), {"hook_points_refused": "no"})
+    assert refused == {"status": "not run", "why": "the hook check refused this vLLM"}
+
+
+def test_a_behaviour_check_that_prints_no_result_fails_the_build(tmp_path):
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho 'the engine crashed' >&2\nexit 3\n")
+    python.chmod(0o755)
+    with pytest.raises(EngineBuildError, match=r"(?s)did not run .*exit 3.*the engine crashed"):
+        behaviour_check(str(python), _spec(device="cpu"), {})

@@ -147,6 +147,11 @@ def test_raw_files_and_manifest(pipeline):
         assert manifest["power_status"] == "unavailable"
         assert "--speculative-config" in manifest["argv"] or "arm~none" in cell
         assert ("--additional-config" in manifest["argv"]) == ("arm~wmtp" in cell)
+        # every arm on the V1 runner, whose proposer the plugin hooks, and the manifest says so
+        assert manifest["server_env"]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+        if "arm~wmtp" in cell:
+            reads = manifest["wmtp_plugin"]
+            assert reads["windowed_forwards"] > 0 and reads["sink_tokens"] % reads["block_size"] == 0
         requests = pd.read_parquet(cell_dir / "requests.parquet")
         measured = requests[~requests["warmup"]]
         assert sorted(measured["rung"].unique()) == RUNGS

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -444,6 +445,20 @@ def _build_server(run: CellRun, engine: EngineAdapter, staging: Path, cache_dir:
     return server, container_stop
 
 
+ENGINE_ENV_PREFIXES = ("VLLM_", "SGLANG_", "WMTP_")
+
+
+def engine_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """The engine's own environment switches a server ran with (which model runner, KV space …), for the
+    manifest: the variables the engines read by prefix, never one that names a key, token or password."""
+    secret = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+    return {
+        key: env[key]
+        for key in sorted(env)
+        if key.startswith(ENGINE_ENV_PREFIXES) and not any(word in key for word in secret)
+    }
+
+
 def _start_server(run: CellRun, engine: EngineAdapter, staging: Path, cache_dir: Path, short_tmp: Path, manifest):
     """Start the server and wait until it is healthy and proven ours; a port lost to a race is retried."""
     for attempt in range(1, PORT_ATTEMPTS + 1):
@@ -468,6 +483,7 @@ def _start_server(run: CellRun, engine: EngineAdapter, staging: Path, cache_dir:
                 subprocess.run(container_stop, capture_output=True, check=False, timeout=60)
             raise
         manifest["server_ready_s"] = round(healthy_s, 1)
+        manifest["server_env"] = engine_settings(server.env)
         log.info("server healthy after %.0f s", healthy_s)
         return server, container_stop
     raise AssertionError("unreachable")

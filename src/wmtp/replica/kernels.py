@@ -96,6 +96,31 @@ def fit_smem(block_m: int, d: int, v: Launch) -> Launch:
 
 
 @dataclass(frozen=True)
+class GemmLaunch:
+    """Tiles of the skinny GEMM (few rows, a weight read once): keys and columns per block, warps, stages."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    min_rows: int = 1  # outside [min_rows, max_rows] the library GEMM is used
+    max_rows: int = 64
+    waves: int = 4  # split K until about this many programs per SM
+
+    def splits(self, n: int, k: int, sms: int) -> tuple[int, int]:
+        """(split count, keys per split): enough programs to keep every SM streaming weights."""
+        n_prog = cdiv(n, self.block_n)
+        want = max(1, min(cdiv(self.waves * sms, n_prog), cdiv(k, 2 * self.block_k)))
+        per = cdiv(cdiv(k, want), self.block_k) * self.block_k
+        return cdiv(k, per), per
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling of a / b for positive integers."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
 class KeyRange:
     """Keys [start, end) of a cache; ``causal_tail`` = the last ``tail`` keys are the query tokens."""
 
@@ -443,6 +468,51 @@ if HAVE_TRITON:
         tl.store(Out + t * s_o + e * INTER + offs, y.to(Out.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _skinny_mm_kernel(
+        X, W, Out, Res, Part, M, N, K, s_xm, s_wk, s_om, s_rm, k_per_split,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+        HAS_RES: tl.constexpr,
+    ):  # fmt: skip
+        """Out[M, N] = X[M, K] @ W[K, N] (+ Res) for few rows: each program streams a K-slice of BLOCK_N
+        weight columns once; with SPLIT > 1 it writes a float32 partial for the reduce kernel."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mm = offs_m < M
+        nn = offs_n < N
+        k0 = pid_k * k_per_split
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for kk in range(0, k_per_split, BLOCK_K):
+            offs_k = k0 + kk + tl.arange(0, BLOCK_K)
+            km = offs_k < K
+            x = tl.load(X + offs_m[:, None] * s_xm + offs_k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            w = tl.load(W + offs_k[:, None] * s_wk + offs_n[None, :], mask=km[:, None] & nn[None, :], other=0.0)
+            acc += tl.dot(x, w)
+        mask = mm[:, None] & nn[None, :]
+        if SPLIT == 1:
+            if HAS_RES:
+                acc += tl.load(Res + offs_m[:, None] * s_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(Out + offs_m[:, None] * s_om + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=mask)
+        else:
+            tl.store(Part + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+
+    @triton.jit
+    def _split_reduce_kernel(
+        Part, Out, Res, M, N, s_om, s_rm, SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr
+    ):
+        """Out[m, :] = sum of the SPLIT float32 partials (+ Res[m, :])."""
+        m = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        acc = tl.zeros([BLOCK], tl.float32)
+        for s in range(SPLIT):
+            acc += tl.load(Part + (s * M + m) * N + offs, mask=mask, other=0.0)
+        if HAS_RES:
+            acc += tl.load(Res + m * s_rm + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Out + m * s_om + offs, acc.to(Out.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _topk_kernel(L, s_l, Idx, Wt, E, K: tl.constexpr, BLOCK_E: tl.constexpr):
         """Router of one token: the top K of E logits by repeated max, softmax over the K chosen."""
         t = tl.program_id(0)
@@ -700,6 +770,42 @@ def expert_act(
     if gate_logit is not None:
         y = y * torch.sigmoid(gate_logit.float())[:, None, None]
     out.copy_(y.reshape(t, n_experts * inter))
+    return out
+
+
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    impl: str = "torch",
+    gemm: GemmLaunch | None = None,
+    sms: int = 132,
+) -> torch.Tensor:
+    """x [M, K] @ w [K, N] (+ residual [M, N]); rows of x and w may be strided, the last dims unit-stride.
+
+    Decode GEMMs have a handful of rows and read each weight once: on CUDA a split-K kernel of ours
+    streams the weights across every SM; the library GEMM is used for many rows and elsewhere.
+    """
+    g = gemm or GemmLaunch()
+    m, k = x.shape
+    n = w.shape[1]
+    if impl != "triton" or not g.min_rows <= m <= g.max_rows or x.stride(1) != 1 or w.stride(1) != 1:
+        return torch.addmm(residual, x, w) if residual is not None else x @ w
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    split, per = g.splits(n, k, sms)
+    block_m = max(16, triton.next_power_of_2(m))
+    res = residual if residual is not None else out
+    part = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else out
+    _skinny_mm_kernel[(triton.cdiv(n, g.block_n), split)](
+        x, w, out, res, part, m, n, k, x.stride(0), w.stride(0), out.stride(0), res.stride(0), per,
+        BLOCK_M=block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT=split, HAS_RES=residual is not None,
+        num_warps=g.num_warps, num_stages=g.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        _split_reduce_kernel[(m, triton.cdiv(n, 1024))](
+            part, out, res, m, n, out.stride(0), res.stride(0), SPLIT=split, BLOCK=1024,
+            HAS_RES=residual is not None, num_warps=4,
+        )  # fmt: skip
     return out
 
 

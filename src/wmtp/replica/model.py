@@ -35,11 +35,13 @@ from wmtp.analyze import costmodel as cm
 from wmtp.replica.kernels import (
     HAVE_TRITON,
     AttnLaunch,
+    GemmLaunch,
     KeyRange,
     conv4_update,
     decode_attention,
     expert_act,
     fused_recurrence,
+    linear,
     rms,
     rms_norm_into,
     router_topk,
@@ -69,7 +71,17 @@ def experts_touched(spec: cm.ModelSpec, tokens: int) -> int:
     return min(m.num_experts, max(m.top_k, round(cm.expected_distinct_experts(m.num_experts, m.top_k, tokens))))
 
 
-class Attention:
+class _Block:
+    """What every block shares: its kernels (``impl``) and its GEMM tiles (``gemm``), both set per replica."""
+
+    impl: str = "torch"
+    gemm: GemmLaunch = GemmLaunch()
+
+    def mm(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, w, residual, self.impl, self.gemm)
+
+
+class Attention(_Block):
     """Full attention (Qwen gated attention or plain GQA) with a KV cache of ``capacity`` tokens per request."""
 
     def __init__(
@@ -95,7 +107,7 @@ class Attention:
         """x [B*T, H] (request-major rows) -> x + attention(x); writes the T new tokens' K and V at ``pos``."""
         a, d = self.a, self.a.head_dim
         nb, t = batch, x.shape[0] // batch
-        y = rms(x, self.norm, self.impl) @ self.w_qkv
+        y = self.mm(rms(x, self.norm, self.impl), self.w_qkv)
         if a.output_gate:
             qg = y[:, : self.n_q].view(nb, t, a.num_q_heads, 2 * d)
             q_src, gate = qg[..., :d], qg[..., d:]
@@ -113,7 +125,7 @@ class Attention:
                 o = o * torch.sigmoid(gate)
         else:
             o = self.core(qbuf, ranges, ctx, gate).transpose(1, 2)  # [B, T, Hq, D]
-        return torch.addmm(x, o.reshape(nb * t, self.q_out), self.w_o)
+        return self.mm(o.reshape(nb * t, self.q_out), self.w_o, x)
 
     def core(
         self, q: torch.Tensor, ranges: Sequence[KeyRange], ctx: AttnCtx, gate: torch.Tensor | None = None
@@ -126,7 +138,7 @@ class Attention:
         )  # fmt: skip
 
 
-class Recurrent:
+class Recurrent(_Block):
     """A Gated-DeltaNet or Mamba2 mixer: projections, short causal conv with state, the recurrence."""
 
     def __init__(
@@ -172,7 +184,7 @@ class Recurrent:
     def forward(self, x: torch.Tensor, batch: int = 1) -> torch.Tensor:
         """x [B*T, H] -> x + mixer(x); the first B requests' states are read, their conv states advance."""
         t, cd, inner, hv = x.shape[0], self.conv_dim, self.inner, self.hv
-        y = rms(x, self.norm, self.impl) @ self.w_in
+        y = self.mm(rms(x, self.norm, self.impl), self.w_in)
         xc = torch.empty((t, cd), device=x.device, dtype=x.dtype)
         o = torch.empty((t, hv, self.dv), device=x.device, dtype=x.dtype)
         conv_state, state, states_out = self.conv_state[:batch], self.state[:batch], self.states_out[:t]
@@ -200,10 +212,10 @@ class Recurrent:
                 self.scale, self.impl,
             )  # fmt: skip
         on = rms_norm_into(o, self.out_norm, torch.empty_like(o), gate=z, impl=self.impl)
-        return torch.addmm(x, on.view(t, inner), self.w_out)
+        return self.mm(on.view(t, inner), self.w_out, x)
 
 
-class MoE:
+class MoE(_Block):
     """Router + the touched routed experts + latent projections + shared expert(s), in few large GEMMs.
 
     Columns of the first GEMM: shared up | router | shared gate | routed up (or the latent
@@ -232,7 +244,8 @@ class MoE:
         s_up = self.s_inter * (2 if self.swiglu else 1)
         self.c_router = s_up
         self.c_gate = s_up + m.num_experts
-        self.c_routed = self.c_gate + (1 if m.shared_expert_gate else 0)
+        # routed columns start 64-aligned: an odd row stride would keep every weight load unvectorised
+        self.c_routed = -(-(self.c_gate + (1 if m.shared_expert_gate else 0)) // 64) * 64
         routed_in = m.latent_size if m.latent_size else n_experts * self.up
         self.w_pre = _w((h, self.c_routed + routed_in), device, dtype)
         if m.latent_size:
@@ -249,7 +262,7 @@ class MoE:
         n = min(n_experts, self.n_alloc)
         xn = rms(x, self.norm, self.impl)
         width = self.c_routed + (self.m.latent_size or n * self.up)
-        pre = xn @ self.w_pre[:, :width]
+        pre = self.mm(xn, self.w_pre[:, :width])
         router_topk(pre[:, self.c_router : self.c_gate], self.m.top_k, self.impl)  # routing cost; dispatch fixed
         gate = pre[:, self.c_gate] if self.m.shared_expert_gate else None
         act = torch.empty((t, self.s_inter + n * self.inter), device=x.device, dtype=x.dtype)
@@ -258,11 +271,11 @@ class MoE:
         if not self.m.latent_size:
             u = pre[:, self.c_routed :]
             expert_act(u, n, self.inter, self.swiglu, self.combine, act[:, self.s_inter :], self.impl)
-            return torch.addmm(x, act, self.w_down_cat[: self.s_inter + n * self.inter])
-        u = pre[:, self.c_routed :] @ self.w_up[:, : n * self.up]
+            return self.mm(act, self.w_down_cat[: self.s_inter + n * self.inter], x)
+        u = self.mm(pre[:, self.c_routed :], self.w_up[:, : n * self.up])
         expert_act(u, n, self.inter, self.swiglu, self.combine, act[:, self.s_inter :], self.impl)
-        x = torch.addmm(x, act[:, self.s_inter :] @ self.w_down[: n * self.inter], self.lat_out)
-        return torch.addmm(x, act[:, : self.s_inter], self.s_down)
+        x = self.mm(self.mm(act[:, self.s_inter :], self.w_down[: n * self.inter]), self.lat_out, x)
+        return self.mm(act[:, : self.s_inter], self.s_down, x)
 
 
 @dataclass
@@ -315,6 +328,7 @@ class Replica:
         dt = dtype or torch.bfloat16
         self.spec, self.device, self.dtype, self.batch = spec, dev, dt, batch
         self.impl = impl or default_impl(dev)
+        self.gemm = GemmLaunch()
         self.capacity = capacity + max_k + 2
         t_max = max_k + 1
         h = spec.hidden_size
@@ -353,6 +367,12 @@ class Replica:
         self.impl = impl
         for b in self.blocks():
             b.impl = impl
+
+    def set_gemm(self, gemm: GemmLaunch) -> None:
+        """The skinny GEMM's tiles for every block (a tuner's choice)."""
+        self.gemm = gemm
+        for b in self.blocks():
+            b.gemm = gemm
 
     def save_conv_states(self) -> list[torch.Tensor]:
         """Copies of the recurrent layers' conv states (the only state a forward mutates)."""
@@ -396,7 +416,7 @@ class Replica:
         buf = torch.empty((token.shape[0], 2 * h), device=hid.device, dtype=hid.dtype)
         rms_norm_into(self.embed[token], self.mtp_norm_e, buf[:, :h], impl=self.impl)
         rms_norm_into(hid, self.mtp_norm_h, buf[:, h:], impl=self.impl)
-        x = buf @ self.mtp_fc
+        x = linear(buf, self.mtp_fc, None, self.impl, self.gemm)
         ranges = plan.draft_ranges(j)
         for b in self.mtp_blocks:
             x = self.block_forward(b, x, plan.context + j, ranges, ctx, plan.batch)

@@ -11,6 +11,7 @@ import csv
 import dataclasses
 import json
 import logging
+import math
 import platform
 import statistics
 import sys
@@ -27,15 +28,17 @@ from wmtp.replica import floor as fl
 from wmtp.replica.kernels import (
     HAVE_TRITON,
     AttnLaunch,
+    GemmLaunch,
     KeyRange,
     auto_splits,
     decode_attention,
     fit_smem,
+    linear,
     reference_attention,
     torch,
     triton,
 )
-from wmtp.replica.model import Attention, AttnCtx, Recurrent, Replica, StepPlan, default_impl
+from wmtp.replica.model import Attention, AttnCtx, MoE, Recurrent, Replica, StepPlan, default_impl
 from wmtp.replica.timing import (
     GraphTimer,
     Timings,
@@ -68,6 +71,10 @@ TABLES: dict[str, list[str]] = {
     "replica_summary": [
         *_KEYS, "step_nat_ms", "step_win_ms", "ratio", "predicted_ratio", "predicted_nat_ms", "predicted_win_ms",
         "copy_bandwidth",
+    ],
+    "replica_gemm": [
+        "model", "m", "k", "n", "variant", "median_ms", "weight_bytes", "bandwidth", "copy_bandwidth",
+        "fraction_of_copy", "chosen",
     ],
     "replica_components": [
         *_KEYS, "component", "median_ms", "p10_ms", "p90_ms", "reps", "scrub_ms", "floor_ms", "over_floor",
@@ -380,6 +387,71 @@ def tune_attention(
     return launch
 
 
+#: Skinny-GEMM tiles the tuner tries: (block_n, block_k, num_warps, num_stages).
+GEMM_VARIANTS: tuple[tuple[int, int, int, int], ...] = (
+    (64, 128, 4, 4),
+    (128, 128, 4, 3),
+    (64, 256, 4, 3),
+    (32, 256, 4, 4),
+    (128, 64, 4, 4),
+    (64, 128, 8, 4),
+)
+
+
+def choose_gemm(times: dict[tuple[int, str], float], rows: Sequence[int]) -> tuple[str, int]:
+    """From per-(rows, variant) times, 'library' among them: for each tile variant the fewest rows from which
+    it beats the library at every larger row count, and the variant whose step (ours from there, the library
+    below) is fastest.  Returns (variant, min_rows); ('library', max rows + 1) when none wins anywhere."""
+    rows = sorted(rows)
+    lib = {m: times.get((m, "library"), math.inf) for m in rows}
+    best: tuple[float, str, int] = (sum(lib.values()), "library", rows[-1] + 1)
+    for v in sorted({v for _, v in times if v != "library"}):
+        min_rows = rows[-1] + 1
+        for m in reversed(rows):
+            if times.get((m, v), math.inf) >= lib[m]:
+                break
+            min_rows = m
+        score = sum(times[(m, v)] if m >= min_rows else lib[m] for m in rows)
+        if min_rows <= rows[-1] and score < best[0]:
+            best = (score, v, min_rows)
+    return best[1], best[2]
+
+
+def tune_gemm(rep: Replica, rows: Sequence[int], timer: GraphTimer, sink: CsvSink, copy_bw: float, reps: int) -> None:
+    """The skinny-GEMM tiles (or the library GEMM) that read the first MoE layer's weights fastest, over its two
+    GEMMs at each row count, timed behind an L2 scrub less the scrub; set on the replica (``rep.set_gemm``)."""
+    moe = next(b for blocks in rep.layers for b in blocks if isinstance(b, MoE))
+    ws = (moe.w_pre, moe.w_down_cat if hasattr(moe, "w_down_cat") else moe.w_down)
+    sms = sm_count(str(rep.device))
+    base = statistics.median(timer.time(noop, reps, scrub=True))
+    variants = {"-".join(map(str, v)): GemmLaunch(*v) for v in GEMM_VARIANTS} | {"library": GemmLaunch(max_rows=0)}
+    times: dict[tuple[int, str], float] = {}
+    for name, g in variants.items():
+        for m in rows:
+            total = 0.0
+            for w in ws:
+                x = torch.randn(m, w.shape[0], device=rep.device, dtype=rep.dtype)
+                try:
+                    ms = statistics.median(timer.time(partial(linear, x, w, None, "triton", g, sms), reps, scrub=True))
+                except Exception as e:  # a variant that does not compile is skipped
+                    log.warning("gemm %s: %s", name, e)
+                    total = math.inf
+                    break
+                net = max(1e-6, ms - base)
+                total += net
+                nbytes = w.numel() * w.element_size()
+                sink.write("replica_gemm", {"model": rep.spec.name, "m": m, "k": w.shape[0], "n": w.shape[1],
+                                            "variant": name, "median_ms": net, "weight_bytes": nbytes,
+                                            "bandwidth": nbytes / (net * 1e-3), "copy_bandwidth": copy_bw,
+                                            "fraction_of_copy": nbytes / (net * 1e-3) / copy_bw})  # fmt: skip
+            times[(m, name)] = total
+    chosen, min_rows = choose_gemm(times, rows)
+    gemm = GemmLaunch(max_rows=0) if chosen == "library" else dataclasses.replace(variants[chosen], min_rows=min_rows)
+    sink.write("replica_gemm", {"model": rep.spec.name, "variant": chosen, "m": min_rows, "chosen": True})
+    log.info("%s: GEMM %s from %d rows", rep.spec.name, chosen, min_rows)
+    rep.set_gemm(gemm)
+
+
 def fits_note(spec: cm.ModelSpec, context: int, max_k: int, batch: int, free: float) -> str:
     """Why a (context, batch) point is left out: what it needs against what the device has free."""
     need = fl.replica_bytes(spec, context, max_k, batch)
@@ -477,6 +549,23 @@ def measure_point(
         )  # fmt: skip
 
 
+def _build(
+    spec: cm.ModelSpec, n: int, max_k: int, dev: str, impl: str | None, top: int, batches: list[int], sink: CsvSink
+) -> tuple[Replica | None, int]:
+    """The replica for ``top`` requests at n tokens; where the estimate was short, the next smaller batch."""
+    while top:
+        try:
+            rep = Replica(spec, n, max_k, dev, impl=impl, batch=top)
+            sync(dev)
+            return rep, top
+        except torch.OutOfMemoryError as e:
+            note = f"{spec.name} batch {top}: out of memory ({str(e)[:80]})"
+        empty_cache(dev)  # after the handler: its traceback held the half-built replica
+        sink.write("replica_checks", {"check": "fits_memory", "n": n, "t": top, "ok": False, "note": note})
+        top = max((b for b in batches if b < top), default=0)
+    return None, 0
+
+
 def sweep_model(
     cfg: SweepConfig, path: Path, sink: CsvSink, copy_bw: float, backend: str, t0: float, impl: str | None = None
 ) -> None:
@@ -486,6 +575,7 @@ def sweep_model(
     dev = cfg.device
     launch = cfg.launch
     comp_k = 3 if 3 in cfg.ks else cfg.ks[0]
+    gemm: GemmLaunch | None = None
     for n in cfg.contexts:
         empty_cache(dev)
         free = free_bytes(dev)
@@ -497,13 +587,19 @@ def sweep_model(
         if top == 0:
             continue
         tb = time.time()
-        rep = Replica(spec, n, max_k, dev, impl=impl, batch=top)
-        sync(dev)
+        rep, top = _build(spec, n, max_k, dev, impl, top, cfg.batches, sink)
+        if rep is None:
+            continue
         log.info("%s N=%d: replica for %d requests built in %.1f s, %.1f GiB allocated", spec.name, n, top,
                  time.time() - tb, torch.cuda.memory_allocated() / 2**30 if is_cuda(dev) else 0.0)  # fmt: skip
         timer = GraphTimer(cfg.use_graphs, device=dev)
         if backend == "triton" and is_cuda(dev):  # row classes the probe did not measure
             launch = tune_attention(rep, n, sorted({1, max_k + 1}), timer, sink, copy_bw, cfg.reps, launch)
+        if gemm is None and rep.impl == "triton" and is_cuda(dev):
+            tune_gemm(rep, sorted({2, max_k + 1, top * (max_k + 1)}), timer, sink, copy_bw, cfg.reps)
+            gemm = rep.gemm
+        elif gemm is not None:
+            rep.set_gemm(gemm)
         ctx = AttnCtx(backend, cfg.splits, sm_count(dev), launch=launch)
         for nb in (b for b in cfg.batches if b <= top):
             for k in cfg.ks:

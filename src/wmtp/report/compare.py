@@ -80,6 +80,65 @@ def ring_reclaim_section(models_dir: Path | str | None = None, context: int = 1 
     return Section(pd.DataFrame(rows))
 
 
+def single_request(replica: pd.DataFrame) -> pd.DataFrame:
+    """The replica's rows at one request per step (tables from before the batch sweep have only those)."""
+    if "batch" not in replica.columns:
+        return replica
+    return replica[pd.to_numeric(replica["batch"], errors="coerce").fillna(1) == 1]
+
+
+def replica_batch_section(replica: pd.DataFrame | None, ks: tuple[int, ...] = (1, 3, 5)) -> Section:
+    """The cost-side ratio against concurrency at each model's longest context: the replica's, the floor's,
+    and the ceiling 1 + k/L_full it climbs towards as the KV's share of the step grows.
+
+    ``replica`` is the tidy replica table (one row per arm, with ``batch``)."""
+    need = {"batch", "arm", "measured_ratio", "predicted_ratio"}
+    if replica is None or replica.empty or not need <= set(replica.columns):
+        return Section()
+    from wmtp.analyze.costmodel import limit_ratio
+
+    nat = replica[(replica["arm"] == "mtp") & replica["k"].isin(ks)]
+    rows = []
+    for model, group in nat.groupby("model", sort=True):
+        longest = group[group["context"] == group["context"].max()]
+        path = model_file(canonical_model(model)) or model_file(canonical_model(model).split("-", 1)[-1])
+        for r in longest.sort_values(["k", "batch"]).itertuples(index=False):
+            rows.append(
+                {
+                    "model": model,
+                    "context": context_label(r.context),
+                    "k": int(r.k),
+                    "batch": int(r.batch),
+                    "replica (H200)": round(float(r.measured_ratio), 3),
+                    "floor": round(float(r.predicted_ratio), 3),
+                    "replica / floor": round(float(r.measured_ratio) / float(r.predicted_ratio), 3),
+                    "ceiling 1 + k/L_full": round(limit_ratio(path, int(r.k)), 3) if path else math.nan,
+                }
+            )
+    return Section(pd.DataFrame(rows))
+
+
+def replica_floor_section(replica: pd.DataFrame | None, batch: int = 1) -> Section:
+    """Each arm's whole step against its bytes/bandwidth floor, per model and context, at ``batch`` requests."""
+    need = {"batch", "arm", "measured_ms", "predicted_ms"}
+    if replica is None or replica.empty or not need <= set(replica.columns):
+        return Section()
+    at = replica[replica["batch"] == batch]
+    rows = [
+        {
+            "model": r.model,
+            "context": context_label(r.context),
+            "arm": r.arm,
+            "k": int(r.k),
+            "step (ms)": round(float(r.measured_ms), 3),
+            "floor (ms)": round(float(r.predicted_ms), 3),
+            "step / floor": round(float(r.measured_ms) / float(r.predicted_ms), 3),
+        }
+        for r in at.sort_values(["model", "context", "k", "arm"]).itertuples(index=False)
+    ]
+    return Section(pd.DataFrame(rows))
+
+
 def paper_claim_section(replica: pd.DataFrame | None, published: pd.DataFrame, k: int = PAPER_K) -> Section:
     """The paper's 1.28–1.44× at 1M next to what bounds it: per replica model at its longest context, the
     ratio the H200 replica measured, the cost model's prediction, and the ceiling 1 + k·(draft KV)/(target KV)
@@ -91,7 +150,8 @@ def paper_claim_section(replica: pd.DataFrame | None, published: pd.DataFrame, k
     from wmtp.analyze.costmodel import limit_ratio
 
     rows = []
-    at_k = replica[replica["k"] == k]
+    at_k = single_request(replica)
+    at_k = at_k[at_k["k"] == k]
     for model, group in at_k.groupby("model", sort=True):
         longest = group[group["context"] == group["context"].max()].iloc[0]
         # The replica names models as their vendors do ("NVIDIA-Nemotron-…"); config/models without the vendor.
@@ -189,7 +249,7 @@ def wedge_section(
     else:
         notes.append(NOTE_NO_WINDOWED)
     if replica is not None and not replica.empty:
-        rep = replica.copy()
+        rep = single_request(replica).copy()
         rep["rung"] = rep["context"]
         rep["arm"] = "wmtp"
         rep["wedge"] = pd.to_numeric(rep["ratio"], errors="coerce") - 1.0

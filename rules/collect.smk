@@ -3,7 +3,8 @@
 
 rule collect:
     input:
-        cell_manifests(),
+        manifests=cell_manifests(),
+        admission=admission_files(),
     output:
         tidy_tables(),
     log:
@@ -15,7 +16,8 @@ rule collect:
     conda:
         "../envs/pipeline.yaml"
     shell:
-        "{params.py} -m wmtp --log {log:q} collect --out {params.out:q} {input:q}"
+        "{params.py} -m wmtp --log {log:q} collect --out {params.out:q} {input.manifests:q} "
+        "--admission {input.admission:q}"
 
 
 rule derive:

@@ -111,6 +111,15 @@ def cell_manifests():
     return [cell_dir(cell_id) / layout.MANIFEST_FILE for cell_id in CELLS]
 
 
+def admission_settings(model_name, engine_name):
+    cell = next(c for c in STUDY.admission_proofs() if (c.model, c.engine) == (model_name, engine_name))
+    return json.dumps({"sink": cell.sink, "window": cell.window, "k": cell.k}, sort_keys=True)
+
+
+def admission_files():
+    return [layout.admission_file(RESULTS, c.model, c.engine) for c in STUDY.admission_proofs()]
+
+
 def tidy_tables():
     return layout.tidy_files(RESULTS)
 

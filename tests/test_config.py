@@ -21,6 +21,7 @@ def test_embedded_study_is_valid(repo):
         "model~tiny/engine~vllm-cpu/arm~mtp/k~3/c~1",
         "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~256/c~1",
         "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~1024/c~1",
+        "model~tiny/engine~vllm-cpu/arm~wmtp-ring/k~3/s~16/w~256/c~1",
     ]
     assert study.protocol.workloads == ["code", "copy"]
     assert study.model("tiny").generate == "trained"
@@ -55,7 +56,7 @@ def test_k_zero_on_mtp_arm(embedded_raw):
 
 def test_unknown_arm(embedded_raw):
     embedded_raw["arms"].append({"name": "eagle"})
-    check(embedded_raw, "config.arms[3].name", "'eagle'")
+    check(embedded_raw, f"config.arms[{len(embedded_raw['arms']) - 1}].name", "'eagle'")
 
 
 def test_unknown_engine_kind(embedded_raw):
@@ -166,6 +167,6 @@ def test_check_config_lists_cells_and_the_sweep(repo, capsys):
 
     assert main(["check-config", "--config", str(repo / "config" / "config.yaml")]) == 0
     out = capsys.readouterr().out
-    assert "is valid: 4 cells" in out
+    assert "is valid: 5 cells" in out
     assert "rungs 1024, 4096, 16384 × repeats [5, 5, 5] on workloads code, copy" in out
     assert "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~1024/c~1" in out

@@ -182,7 +182,7 @@ def test_a_window_that_covers_every_token_warns_and_runs(embedded_raw, caplog):
     embedded_raw["arms"][2]["window"] = [256, 16431, 16432]
     with caplog.at_level(logging.WARNING, logger="wmtp.config"):
         study = study_from_dict(embedded_raw)
-    assert len(study.cells()) == 5
+    assert len(study.cells()) == 6
     want = (
         "config: arms[2].sink[0] = 16 plus arms[2].window[2] = 16432 covers the longest rung 16384 plus 64 output "
         "tokens: the draft drops nothing, so arm 'wmtp' measures the same as 'mtp'; use a window below 16432"
@@ -199,7 +199,7 @@ def test_check_config_prints_the_warning(embedded_raw, tmp_path, capsys):
     study_file.write_text(yaml.safe_dump(embedded_raw))
     assert main(["check-config", "--config", str(study_file)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].endswith("is valid: 3 cells")
+    assert out[0].endswith("is valid: 4 cells")
     assert out[1].startswith("  warning: config: arms[2].sink[0] = 16 plus arms[2].window[0] = 20000 covers"), out
 
 
@@ -212,6 +212,8 @@ def test_a_window_off_the_engines_block_size_warns(embedded_raw):
         "whole blocks, so 128 tokens (the cells record the effective value)",
         "config: arms[2].window[1] = 300 is not a multiple of engine 'vllm-cpu''s --block-size 128: its draft "
         "reads whole blocks, so 300 to 427 tokens (the cells record the effective value)",
+        "config: arms[3].sink[0] = 16 is not a multiple of engine 'vllm-cpu''s --block-size 128: its draft reads "
+        "whole blocks, so 128 tokens (the cells record the effective value)",
     ]
 
 
@@ -346,7 +348,8 @@ def test_loopback_binds_are_fine(embedded_raw, host):
 def test_allow_remote_is_a_boolean_and_travels_with_the_resolved_study(embedded_raw):
     embedded_raw["engines"][0]["allow_remote"] = "yes"
     refused(embedded_raw, "config.engines[0].allow_remote", "'yes'")
-    embedded_raw["engines"][0].update(allow_remote=True, serve_args=["--host", "0.0.0.0", "--api-key", "k"])
+    serve_args = [*embedded_raw["engines"][0]["serve_args"], "--host", "0.0.0.0", "--api-key", "k"]
+    embedded_raw["engines"][0].update(allow_remote=True, serve_args=serve_args)
     study = study_from_dict(embedded_raw)
     # The rules hand the cell and engine-build commands this dump; an engine left at the default dumps as before.
     assert study_from_dict(study.model_dump(mode="json", exclude_none=True)).engine("vllm-cpu").allow_remote

@@ -39,8 +39,8 @@ def test_dry_run_embedded_study(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     jobs = job_counts(out.stdout)
-    assert jobs["cell"] == 4 and jobs["engine"] == 1 and jobs["trained_model"] == 1
-    assert jobs["collect"] == 1 and jobs["report"] == 1
+    assert jobs["cell"] == 5 and jobs["engine"] == 1 and jobs["trained_model"] == 1
+    assert jobs["admission"] == 1 and jobs["collect"] == 1 and jobs["report"] == 1
 
 
 @pytest.fixture

@@ -78,6 +78,40 @@ def cmd_cell_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_admission(args: argparse.Namespace) -> int:
+    from wmtp.measure.admission import run_in_engine
+
+    study = _study(args)
+    proofs = {(c.model, c.engine): c for c in study.admission_proofs()}
+    cell = proofs.get((args.model, args.engine))
+    if cell is None:
+        raise ConfigError(
+            f"study {study.study!r} asks for no admission proof of model {args.model!r} on {args.engine!r}"
+        )
+    engine_manifest = json.loads(Path(args.engine_manifest).read_text())
+    spec = study.engine(args.engine)
+    model_dir = study.model_dir(args.model)
+    out = Path(args.out)
+    measured = out.with_name(out.name + ".engine")
+    result = run_in_engine(engine_manifest["python"], spec.env, model_dir, measured, cell.sink, cell.window, cell.k)
+    result["predicted"] = predicted_reclaim(model_dir / "config.json", result, args.model)
+    out.write_text(json.dumps(result, indent=2))
+    measured.unlink()
+    logging.getLogger("wmtp").info("admission %s on %s: %s", args.model, args.engine, result["verdict"])
+    return 0
+
+
+def predicted_reclaim(config_file: Path, measured: dict, name: str) -> dict[str, float]:
+    """The cost model's bytes per request of the proof's length under wmtp and the ring, and the share reclaimed."""
+    from wmtp.analyze import costmodel
+
+    spec = costmodel.model_from_hf_config(json.loads(config_file.read_text()), name)
+    context, sink, window = measured["max_model_len"], measured["sink"], measured["window"]
+    plain = costmodel.kv_memory(spec, context, sink=sink, window=window, ring=False).total
+    ring = costmodel.kv_memory(spec, context, sink=sink, window=window, ring=True).total
+    return {"bytes_per_request_wmtp": plain, "bytes_per_request_ring": ring, "reclaimed_fraction": 1 - ring / plain}
+
+
 def cmd_write_study(args: argparse.Namespace) -> int:
     from wmtp.config import resolved_study_json, study_from_dict
 
@@ -94,7 +128,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
     manifests = [Path(p) for p in args.manifests]
     try:
-        collect([m.parent for m in manifests], Path(args.out))
+        collect([m.parent for m in manifests], Path(args.out), [Path(a) for a in args.admission])
     except MixedProtocols as err:
         logging.getLogger("wmtp").error("%s", err)
         return 2
@@ -149,9 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path)
     p.set_defaults(func=cmd_write_study)
 
+    p = with_config(sub.add_parser("admission", help="the ring's admission proof for one model on one engine"))
+    p.add_argument("--model", required=True)
+    p.add_argument("--engine", required=True)
+    p.add_argument("--engine-manifest", required=True)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_admission)
+
     p = sub.add_parser("collect", help="raw cells → tidy parquet tables")
     p.add_argument("--out", required=True)
     p.add_argument("manifests", nargs="+", help="the manifest.json of each cell")
+    p.add_argument("--admission", nargs="*", default=[], help="the ring's admission proofs (raw/admission/*.json)")
     p.set_defaults(func=cmd_collect)
 
     p = sub.add_parser("derive", help="tidy tables → the derived tables the report shows")

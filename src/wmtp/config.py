@@ -210,6 +210,17 @@ class Study(_Strict):
     def cells(self) -> list[Cell]:
         return list(expand_cells(self))
 
+    def admission_proofs(self) -> list[Cell]:
+        """The ring's admission proofs the study asks for: one per (model, engine) with a ``wmtp-ring`` cell on a
+        vLLM CPU engine (where the proof sizes the KV cache in bytes and serves in seconds), at that model's first
+        ring cell's k, S and W."""
+        proofs: dict[tuple[str, str], Cell] = {}
+        for cell in self.cells():
+            engine = self.engine(cell.engine)
+            if cell.arm == "wmtp-ring" and engine.kind == "vllm" and engine.device == "cpu":
+                proofs.setdefault((cell.model, cell.engine), cell)
+        return list(proofs.values())
+
     def config_hash(self) -> str:
         payload = json.dumps(self.model_dump(mode="json"), sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]

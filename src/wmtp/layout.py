@@ -41,7 +41,9 @@ RAW_SUCCESS_FILES = (REQUESTS_FILE, COUNTERS_FILE, ENERGY_FILE, POWER_FILE, SERV
 FAILURE_FILE = "failure.json"
 SERVER_FAILED_LOG = "server.failed.log"
 
-TIDY_TABLES = ("requests", "rungs", "positions")
+TIDY_TABLES = ("requests", "rungs", "positions", "admission")
+# The ring's admission proof, one per (model, engine): raw/admission/<model>~<engine>.json.
+ADMISSION_DIR = "admission"
 DERIVED_TABLES = ("answer", "excluded")
 
 # Cell ids: "model~M/engine~E/arm~A[/k~K][/s~S/w~W]/c~C". k appears for drafting arms, s and w for
@@ -115,6 +117,10 @@ def cell_dir(results: Path, cell_id: str) -> Path:
 def raw_files(results: Path, cell_id: str) -> dict[str, Path]:
     """Every file a complete cell leaves, by name."""
     return {name: cell_dir(results, cell_id) / name for name in RAW_SUCCESS_FILES}
+
+
+def admission_file(results: Path, model: str, engine: str) -> Path:
+    return results / RAW_DIR / ADMISSION_DIR / f"{model}~{engine}.json"
 
 
 def tidy_dir(results: Path) -> Path:

@@ -194,6 +194,48 @@ def model_from_dict(d: Mapping[str, Any]) -> ModelSpec:
     return spec
 
 
+def model_from_hf_config(config: Mapping[str, Any], name: str = "") -> ModelSpec:
+    """A Qwen3-Next-shaped Hugging Face ``config.json`` (``layer_types``, linear-attention and MoE keys) as a
+    :class:`ModelSpec`, so checkpoints such as the embedded study's tiny model get the same predictions."""
+    kinds = {"linear_attention": "L", "full_attention": "A"}
+    pattern = "".join(kinds[t] for t in config["layer_types"])
+    return model_from_dict(
+        {
+            "name": name or config.get("model_type", "model"),
+            "family": "gdn_moe",
+            "hidden_size": config["hidden_size"],
+            "vocab_size": config["vocab_size"],
+            "layer_pattern": pattern,
+            "pattern_legend": {"L": ["gdn", "moe"], "A": ["attn", "moe"]},
+            "attention": {
+                "num_q_heads": config["num_attention_heads"],
+                "num_kv_heads": config["num_key_value_heads"],
+                "head_dim": config["head_dim"],
+                "output_gate": True,
+            },
+            "gdn": {
+                "num_k_heads": config["linear_num_key_heads"],
+                "num_v_heads": config["linear_num_value_heads"],
+                "k_head_dim": config["linear_key_head_dim"],
+                "v_head_dim": config["linear_value_head_dim"],
+                "conv_kernel": config["linear_conv_kernel_dim"],
+            },
+            "moe": {
+                "num_experts": config["num_experts"],
+                "top_k": config["num_experts_per_tok"],
+                "expert_intermediate_size": config["moe_intermediate_size"],
+                "activation": "swiglu",
+                "latent_size": None,
+                "shared_experts": 1 if config.get("shared_expert_intermediate_size") else 0,
+                "shared_intermediate_size": config.get("shared_expert_intermediate_size") or 0,
+                "shared_expert_gate": True,
+            },
+            "mtp": {"num_layers": config.get("num_nextn_predict_layers", 1), "layer_pattern": "A"},
+            "dtypes": {"recurrent_state": config.get("mamba_ssm_dtype", "float32")},
+        }
+    )
+
+
 def load_model(path: str | Path) -> ModelSpec:
     """Read ``config/models/<name>.json``."""
     with open(path) as f:

@@ -244,8 +244,57 @@ def check_one_protocol(manifests: dict[str, dict]) -> None:
             )
 
 
-def collect(cell_dirs: list[Path], out_dir: Path) -> dict[str, pd.DataFrame]:
-    """Read every complete cell and write requests/rungs/positions parquet files into ``out_dir``."""
+ADMISSION_COLUMNS = [
+    "model",
+    "engine",
+    "arm",
+    "sink",
+    "window",
+    "k",
+    "max_model_len",
+    "prompt_tokens",
+    "kv_cache_memory_bytes",
+    "num_blocks",
+    "capacity_tokens",
+    "max_concurrency",
+    "bytes_per_request",
+    "pages_by_group",
+    "requests",
+    "max_running",
+    "steps_with_waiting",
+    "preemptions",
+    "all_at_once",
+    "same_output",
+    "verdict",
+    "predicted_bytes_per_request",
+    "predicted_reclaimed_fraction",
+]
+
+
+def admission_table(files: list[Path]) -> pd.DataFrame:
+    """One row per arm of each admission proof (raw/admission/<model>~<engine>.json)."""
+    rows = []
+    for path in files:
+        found = json.loads(path.read_text())
+        model, _, engine = path.stem.partition("~")
+        shared = {key: found[key] for key in ("sink", "window", "k", "max_model_len", "prompt_tokens")}
+        for arm, measured in found["arms"].items():
+            row = {"model": model, "engine": engine, "arm": arm, **shared, **measured}
+            predicted = found.get("predicted") or {}
+            row.update(
+                same_output=found["same_output"],
+                verdict=found["verdict"],
+                predicted_bytes_per_request=predicted.get(
+                    "bytes_per_request_ring" if arm == "wmtp-ring" else "bytes_per_request_wmtp"
+                ),
+                predicted_reclaimed_fraction=predicted.get("reclaimed_fraction"),
+            )
+            rows.append({column: row.get(column) for column in ADMISSION_COLUMNS})
+    return pd.DataFrame(rows, columns=ADMISSION_COLUMNS)
+
+
+def collect(cell_dirs: list[Path], out_dir: Path, admission_files: list[Path] | None = None) -> dict[str, pd.DataFrame]:
+    """Read every complete cell and write requests/rungs/positions (and admission) parquet files into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     requests, rungs, deltas_by_cell = [], [], {}
     for cell_dir in cell_dirs:
@@ -261,6 +310,7 @@ def collect(cell_dirs: list[Path], out_dir: Path) -> dict[str, pd.DataFrame]:
         log.info("collected %s (%d requests)", cell_dir, len(req))
     tables = {"requests": pd.concat(requests, ignore_index=True), "rungs": pd.concat(rungs, ignore_index=True)}
     tables["positions"] = position_table(tables["rungs"], deltas_by_cell)
+    tables["admission"] = admission_table(list(admission_files or []))
     for name, frame in tables.items():
         frame.to_parquet(out_dir / f"{name}.parquet", index=False)
     return tables

@@ -28,13 +28,15 @@ PUBLISHED_DIR = REPO_ROOT / "config" / "published"
 
 @dataclass(frozen=True)
 class Tidy:
-    """The three tidy tables of a study (empty frames where a table is absent)."""
+    """The tidy tables of a study (empty frames where a table is absent)."""
 
     requests: pd.DataFrame
     rungs: pd.DataFrame
     positions: pd.DataFrame
     # <study>/derived beside the tidy folder, where the derive stage writes what the report shows.
     derived_dir: Path | None = None
+    # The ring's admission proofs: one row per (model, engine, arm); empty when the study has no wmtp-ring.
+    admission: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     @property
     def arms(self) -> list[str]:

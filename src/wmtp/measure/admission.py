@@ -1,0 +1,252 @@
+"""Admission: does the ring's reclaimed KV let one more long request run at once?
+
+Run in a vLLM engine's interpreter (rule ``admission``; vLLM on the CPU):
+
+    python -m wmtp.measure.admission --model DIR --out admission.json --sink 16 --window 256
+
+Both engines (``wmtp`` and ``wmtp-ring``, same S and W, prefix caching off) run in this process, one after
+the other, with the same KV cache memory. That memory is chosen from the engines' own capacity reports so
+that at ``max_model_len`` the plain windowed draft admits N requests and the ring N + 1. Then N + 1 requests
+of that length arrive at once, and each engine is stepped until they finish; after every step the engine's
+own counters are read: requests running and waiting, and its preemptions. The ring passes when it ran all
+N + 1 at once without a preemption while wmtp queued or preempted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+RESULT = "WMTP-ADMISSION "
+# The admitted count the proof asks for: N requests under wmtp, N + 1 under the ring.
+DEFAULT_N = 2
+
+
+class AdmissionUnsized(ValueError):
+    """No KV size makes wmtp admit exactly N requests and the ring N + 1."""
+
+
+def kv_bytes_for(n: int, plain_bytes_per_request: float, ring_bytes_per_request: float) -> int:
+    """KV memory that holds exactly ``n`` requests at full length under wmtp and at least n + 1 under the ring.
+
+    Concurrency is memory over per-request bytes (both engines size their pool in whole blocks of the same
+    memory), so the window is [max(n · plain, (n + 1) · ring), (n + 1) · plain); its middle leaves room for
+    rounding to whole blocks on both sides.
+    """
+    low = max(n * plain_bytes_per_request, (n + 1) * ring_bytes_per_request)
+    high = (n + 1) * plain_bytes_per_request
+    if not low < high:
+        raise AdmissionUnsized(
+            f"the ring saves nothing per request ({ring_bytes_per_request:.0f} vs {plain_bytes_per_request:.0f} "
+            f"bytes) to admit {n + 1} where wmtp admits {n}: its window covers max_model_len"
+        )
+    return int((low + high) / 2)
+
+
+def summarize_steps(steps: Sequence[dict[str, float]], requests: int) -> dict[str, Any]:
+    """What the engine's own counters said over the run: peak running, peak waiting, preemptions."""
+    running = [int(s["running"]) for s in steps]
+    peak = max(running, default=0)
+    preemptions = int(max((s["preemptions"] for s in steps), default=0.0))
+    return {
+        "requests": requests,
+        "steps": len(steps),
+        "max_running": peak,
+        # Steps at which a request had arrived but was not running: queued for want of KV blocks.
+        "steps_with_waiting": sum(1 for s in steps if s["waiting"] > 0),
+        "preemptions": preemptions,
+        "all_at_once": peak == requests and preemptions == 0,
+    }
+
+
+def verdict(plain: dict[str, Any], ring: dict[str, Any]) -> str:
+    """'ring admits one more' when the ring ran all at once and wmtp did not; otherwise what happened."""
+    if ring["all_at_once"] and not plain["all_at_once"]:
+        return "ring admits one more"
+    if ring["all_at_once"] and plain["all_at_once"]:
+        return "both ran all at once: the KV size did not bind"
+    return "the ring did not run all at once"
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine side (imports vLLM)
+
+
+def _metric(llm: Any, name: str) -> float:
+    total = 0.0
+    for metric in llm.get_metrics():
+        if metric.name == name and hasattr(metric, "value"):
+            total += float(metric.value)
+    return total
+
+
+def _engine(model: Path, ring: bool, args: argparse.Namespace, kv_bytes: int | None) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model=str(model),
+        dtype="bfloat16",
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.chunk,
+        distributed_executor_backend="uni",
+        disable_log_stats=False,
+        kv_cache_memory_bytes=kv_bytes,
+        speculative_config={"method": "mtp", "num_speculative_tokens": args.k},
+        additional_config={"wmtp": {"sink": args.sink, "window": args.window, "ring": ring}},
+        seed=0,
+    )
+
+
+def _capacity(llm: Any) -> dict[str, Any]:
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    core = llm.llm_engine.engine_core.engine_core
+    cache = llm.llm_engine.vllm_config.cache_config
+    config = llm.llm_engine.vllm_config
+    pages = []
+    for group in core.scheduler.kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        needed = -(-spec.max_memory_usage_bytes(config) // spec.page_size_bytes)
+        pages.append(f"{type(spec).__name__} ×{len(group.layer_names)} layers: {needed}")
+    return {
+        "pages_by_group": "; ".join(pages),
+        "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
+        "num_blocks": cache.num_gpu_blocks,
+        "capacity_tokens": cache.kv_cache_size_tokens,
+        "max_concurrency": get_max_concurrency_for_kv_cache_config(
+            llm.llm_engine.vllm_config, core.scheduler.kv_cache_config
+        ),
+    }
+
+
+def _release() -> None:
+    """After the caller dropped its engine: collect it, then tear its process groups down for the next one."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def _serve_at_once(llm: Any, prompts: list[list[int]], tokens: int) -> tuple[list[dict[str, float]], list[list[int]]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        llm.llm_engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    steps, outputs = [], {}
+    while llm.llm_engine.has_unfinished_requests():
+        for result in llm.llm_engine.step():
+            if result.finished:
+                outputs[int(result.request_id)] = list(result.outputs[0].token_ids)
+        steps.append(
+            {
+                "running": _metric(llm, "vllm:num_requests_running"),
+                "waiting": _metric(llm, "vllm:num_requests_waiting"),
+                "preemptions": _metric(llm, "vllm:num_preemptions"),
+            }
+        )
+    return steps, [outputs[i] for i in range(len(prompts))]
+
+
+def run(model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: its scheduler is ours to read
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the KV size each engine is given
+    probe_bytes = args.probe_bytes
+    per_request = {}
+    for arm, ring in (("wmtp", False), ("wmtp-ring", True)):
+        llm = _engine(model, ring, args, probe_bytes)
+        found = _capacity(llm)
+        per_request[arm] = found["kv_cache_memory_bytes"] / found["max_concurrency"]
+        del llm
+        _release()
+    kv_bytes = kv_bytes_for(args.n, per_request["wmtp"], per_request["wmtp-ring"])
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    rng = random.Random(0)
+    length = args.max_model_len - args.tokens
+    prompts = [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(args.n + 1)]
+    out: dict[str, Any] = {
+        "n": args.n,
+        "sink": args.sink,
+        "window": args.window,
+        "k": args.k,
+        "max_model_len": args.max_model_len,
+        "prompt_tokens": length,
+        "output_tokens": args.tokens,
+        "kv_cache_memory_bytes": kv_bytes,
+        "arms": {},
+    }
+    outputs = {}
+    for arm, ring in (("wmtp", False), ("wmtp-ring", True)):
+        started = time.monotonic()
+        llm = _engine(model, ring, args, kv_bytes)
+        capacity = _capacity(llm)
+        steps, outputs[arm] = _serve_at_once(llm, prompts, args.tokens)
+        out["arms"][arm] = {
+            **capacity,
+            "bytes_per_request": per_request[arm],
+            **summarize_steps(steps, len(prompts)),
+            "seconds": round(time.monotonic() - started, 1),
+        }
+        del llm
+        _release()
+    out["same_output"] = outputs["wmtp"] == outputs["wmtp-ring"]
+    out["verdict"] = verdict(out["arms"]["wmtp"], out["arms"]["wmtp-ring"])
+    return out
+
+
+def run_in_engine(
+    python: str, engine_env: dict[str, str], model_dir: Path, out: Path, sink: int, window: int, k: int
+) -> dict[str, Any]:
+    """Run the proof in an engine's interpreter (its own environment variables set) and read its result."""
+    import subprocess
+
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"), **engine_env}
+    argv = [python, "-m", "wmtp.measure.admission", "--model", str(model_dir), "--out", str(out)]
+    argv += ["--sink", str(sink), "--window", str(window), "--k", str(k)]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=False, timeout=1800)
+    if proc.returncode != 0 or not out.exists():
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
+        raise RuntimeError(f"admission proof failed in {python} (exit {proc.returncode}):\n{tail}")
+    return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sink", type=int, default=16)
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--n", type=int, default=DEFAULT_N)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=16, help="generated tokens per request")
+    parser.add_argument("--chunk", type=int, default=1024, help="prefill chunk (max_num_batched_tokens)")
+    parser.add_argument("--probe-bytes", type=int, default=256 << 20, help="KV memory of the sizing engines")
+    args = parser.parse_args(argv)
+    try:
+        result = run(args.model, args)
+    except AdmissionUnsized as err:
+        print(f"admission: {err}", file=sys.stderr)
+        return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(args.out)
+    print(RESULT + json.dumps({"verdict": result["verdict"], "same_output": result["same_output"]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,162 @@
+"""The ring's admission proof: sizing, the engine's counters read back, the tidy table and the report."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from wmtp.analyze import costmodel
+from wmtp.analyze.tidy import admission_table
+from wmtp.config import study_from_dict
+from wmtp.layout import TRAINED_CHECKPOINT
+from wmtp.measure import admission as adm
+from wmtp.report.load import Tidy
+from wmtp.report.sections import admission_section, reclaim_measured_section
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_kv_budget_admits_n_under_wmtp_and_one_more_under_the_ring():
+    plain, ring = 3_145_728, 2_359_296  # bytes per request, as the CPU build counts them at 4,096 tokens
+    budget = adm.kv_bytes_for(2, plain, ring)
+    assert budget // plain == 2 and budget // ring == 3
+    # the middle of [max(2 · plain, 3 · ring), 3 · plain)
+    assert budget == (3 * 2_359_296 + 3 * 3_145_728) // 2
+    for n in (1, 3, 4):
+        size = adm.kv_bytes_for(n, plain, ring)
+        assert size // plain == n and size // ring >= n + 1
+
+
+def test_a_ring_that_saves_nothing_cannot_be_sized():
+    with pytest.raises(adm.AdmissionUnsized, match="to admit 3 where wmtp admits 2"):
+        adm.kv_bytes_for(2, 1000.0, 1000.0)
+
+
+def test_the_steps_say_what_ran_at_once():
+    queued = [
+        {"running": 1, "waiting": 2, "preemptions": 0},
+        {"running": 2, "waiting": 1, "preemptions": 0},
+        {"running": 2, "waiting": 1, "preemptions": 0},
+        {"running": 1, "waiting": 0, "preemptions": 0},
+    ]
+    got = adm.summarize_steps(queued, 3)
+    assert got == {
+        "requests": 3,
+        "steps": 4,
+        "max_running": 2,
+        "steps_with_waiting": 3,
+        "preemptions": 0,
+        "all_at_once": False,
+    }
+    everyone = [{"running": 3, "waiting": 0, "preemptions": 0}]
+    preempted = [{"running": 3, "waiting": 0, "preemptions": 0}, {"running": 2, "waiting": 1, "preemptions": 1}]
+    assert adm.summarize_steps(everyone, 3)["all_at_once"]
+    assert not adm.summarize_steps(preempted, 3)["all_at_once"]
+    assert adm.verdict(got, adm.summarize_steps(everyone, 3)) == "ring admits one more"
+    assert adm.verdict(got, got) == "the ring did not run all at once"
+    assert adm.verdict(adm.summarize_steps(everyone, 3), adm.summarize_steps(everyone, 3)).startswith("both ran")
+
+
+def test_the_embedded_study_asks_for_one_proof_at_its_ring_cell():
+    raw = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    proofs = study_from_dict(raw).admission_proofs()
+    assert [(c.model, c.engine, c.arm, c.k, c.sink, c.window) for c in proofs] == [
+        ("tiny", "vllm-cpu", "wmtp-ring", 3, 16, 256)
+    ]
+    raw["arms"] = [a for a in raw["arms"] if a["name"] != "wmtp-ring"]
+    assert study_from_dict(raw).admission_proofs() == []
+
+
+def test_the_cost_model_reads_the_tiny_checkpoints_config():
+    config = json.loads((TRAINED_CHECKPOINT / "config.json").read_text())
+    spec = costmodel.model_from_hf_config(config, "tiny")
+    full = sum(t == "full_attention" for t in config["layer_types"])
+    assert (spec.n_attn, spec.n_draft_attn) == (full, 1)
+    per_token = 2 * config["num_key_value_heads"] * config["head_dim"] * 2  # K and V in bf16
+    plain = costmodel.kv_memory(spec, 4096, sink=16, window=256, ring=False)
+    ring = costmodel.kv_memory(spec, 4096, sink=16, window=256, ring=True)
+    assert plain.target_kv == full * 4096 * per_token and plain.draft_kv == 4096 * per_token
+    assert ring.draft_kv == (16 + 256) * per_token and ring.state == plain.state > 0
+
+
+def _proof_file(tmp_path: Path) -> Path:
+    def arm(blocks: int, concurrency: float, running: int, waiting: int, all_at_once: bool) -> dict:
+        return {
+            "kv_cache_memory_bytes": 8_257_536,
+            "num_blocks": blocks,
+            "capacity_tokens": blocks * 256,
+            "max_concurrency": concurrency,
+            "bytes_per_request": 8_257_536 / concurrency,
+            "pages_by_group": "FullAttentionSpec ×1 layers: 16",
+            "requests": 3,
+            "steps": 20,
+            "max_running": running,
+            "steps_with_waiting": waiting,
+            "preemptions": 0,
+            "all_at_once": all_at_once,
+            "seconds": 3.0,
+        }
+
+    found = {
+        "n": 2,
+        "sink": 16,
+        "window": 256,
+        "k": 3,
+        "max_model_len": 4096,
+        "prompt_tokens": 4080,
+        "output_tokens": 16,
+        "kv_cache_memory_bytes": 8_257_536,
+        "arms": {"wmtp": arm(63, 2.625, 2, 11, False), "wmtp-ring": arm(126, 3.5, 3, 7, True)},
+        "same_output": True,
+        "verdict": "ring admits one more",
+        "predicted": {
+            "bytes_per_request_wmtp": 2_202_368,
+            "bytes_per_request_ring": 1_223_424,
+            "reclaimed_fraction": 0.446,
+        },
+    }
+    path = tmp_path / "tiny~vllm-cpu.json"
+    path.write_text(json.dumps(found))
+    return path
+
+
+def test_the_proof_becomes_one_row_per_arm_and_a_report_table(tmp_path):
+    table = admission_table([_proof_file(tmp_path)])
+    assert list(table["arm"]) == ["wmtp", "wmtp-ring"]
+    assert table.set_index("arm").loc["wmtp-ring", "predicted_bytes_per_request"] == 1_223_424
+    tidy = Tidy(requests=pd.DataFrame(), rungs=pd.DataFrame(), positions=pd.DataFrame(), admission=table)
+    section = admission_section(tidy)
+    assert list(section.frame["most running at once"]) == [2, 3]
+    assert section.notes[0].startswith("ring admits one more: 3 requests of 4,080 prompt tokens")
+    reclaim = reclaim_measured_section(tidy).frame.iloc[0]
+    # engine: 1 − (8,257,536 / 3.5) / (8,257,536 / 2.625) = 1 − 2.625 / 3.5 = 25 %
+    assert reclaim["reclaimed, engine (%)"] == 25.0 and reclaim["reclaimed, cost model (%)"] == 44.6
+
+
+def test_no_proof_says_why():
+    tidy = Tidy(requests=pd.DataFrame(), rungs=pd.DataFrame(), positions=pd.DataFrame())
+    assert admission_section(tidy).notes[0].startswith("no admission proof")
+    assert not reclaim_measured_section(tidy).available
+
+
+@pytest.mark.engine
+def test_the_ring_serves_one_more_request_where_wmtp_queues(engine_python, tmp_path):
+    """In the real CPU build: wmtp's KV holds 2 requests of 4,080 prompt tokens, the ring's 3; 3 arrive at once."""
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    out = tmp_path / "proof.json"
+    found = adm.run_in_engine(engine_python, env, TRAINED_CHECKPOINT, out, sink=16, window=256, k=3)
+    plain, ring = found["arms"]["wmtp"], found["arms"]["wmtp-ring"]
+    assert plain["kv_cache_memory_bytes"] == ring["kv_cache_memory_bytes"] == found["kv_cache_memory_bytes"]
+    assert 2 <= plain["max_concurrency"] < 3 <= ring["max_concurrency"], (plain, ring)
+    assert ring["max_running"] == 3 and ring["preemptions"] == 0
+    assert plain["max_running"] == 2 and (
+        plain["steps_with_waiting"] > ring["steps_with_waiting"] or plain["preemptions"]
+    )
+    assert "SinkWindowSpec" in ring["pages_by_group"] and "SinkWindowSpec" not in plain["pages_by_group"]
+    assert found["same_output"] and found["verdict"] == "ring admits one more"
+    assert os.path.exists(out)

@@ -15,7 +15,7 @@ from test_plugin_vllm import FAKE_BACKEND, FAKE_PROPOSER
 
 from wmtp.engines import vllm_versions as vv
 from wmtp.engines.vllm import WindowUnsupported, check_cell
-from wmtp.engines.vllm_hooks import runner_switch
+from wmtp.engines.vllm_hooks import ring_points, runner_switch
 from wmtp.plugin.hookpoints import HookPointError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,12 +91,15 @@ def _check_served(serve, tmp_path: Path, body: bytes) -> tuple[dict, type]:
 def test_a_served_wheel_is_checked_from_a_few_members(wheel_server, tmp_path):
     body = _wheel_bytes()
     result, handler = _check_served(wheel_server, tmp_path, body)
+    ring = result.pop("ring")
     assert result == {
         "version": "9.9.9",
         "status": "checked",
         "runner": "V1 (VLLM_USE_V2_MODEL_RUNNER=0)",
         "reason": "",
     }
+    # the fake wheel has none of the ring's modules: the windowed draft passes, the ring alone is refused
+    assert ring.startswith("refused: vLLM 9.9.9 lacks vllm.v1.kv_cache_interface.KVCacheSpec.max_memory_usage_bytes")
     assert handler.sent < len(body) / 4  # the 1 MB library was never fetched
     unpacked = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.py"))
     assert "vllm/v1/spec_decode/kernels/deep.py" not in unpacked and "vllm/envs.py" in unpacked
@@ -151,7 +154,7 @@ def test_status_rows_mark_only_passing_pinned_versions_tested():
         ("0.32.0", "tested"),
     ]
     table = vv.render_table(rows)
-    assert "| 0.9.0 | refused | — | r |" in table and "| 0.32.0 | tested | V1 | — |" in table
+    assert "| 0.9.0 | refused | — | — | r |" in table and "| 0.32.0 | tested | V1 | — | — |" in table
 
 
 def test_the_embedded_engine_pin_is_the_tested_version():
@@ -166,6 +169,58 @@ def test_the_readme_shows_the_committed_table():
     assert [line.split("|")[1].strip() for line in tested] == sorted(
         vv.tested_versions([REPO / "config" / "config.yaml"])
     )
+
+
+RING_SOURCES = {
+    "kv_cache_interface.py": (
+        "def replace_as(spec, cls):\n    pass\n"
+        "class KVCacheSpec:\n"
+        "    def max_memory_usage_bytes(self, c):\n        pass\n"
+        "    def is_uniform_with_collection(self, s):\n        pass\n"
+        "    @property\n    def prefix_cacheable(self):\n        return True\n"
+        "class AttentionSpec(KVCacheSpec):\n    pass\n"
+        "class FullAttentionSpec(AttentionSpec):\n    pass\n"
+    ),
+    "core/single_type_kv_cache_manager.py": (
+        "class SingleTypeKVCacheManager:\n"
+        "    @classmethod\n    def find_longest_cache_hit(cls):\n        pass\n"
+        "    def remove_skipped_blocks(self):\n        pass\n"
+        "    def _remove_blocks_in_range(self):\n        pass\n"
+    ),
+    "kv_cache_spec_registry.py": "class KVCacheSpecRegistry:\n    @classmethod\n    def register(cls):\n        pass\n",
+    "worker/gpu_model_runner.py": "class GPUModelRunner:\n    def get_kv_cache_spec(self):\n        pass\n",
+}
+
+
+def _ring_tree(root: Path, skip: str = "") -> Path:
+    vllm = root / "vllm"
+    for name, text in RING_SOURCES.items():
+        path = vllm / "v1" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text.replace(f"def {skip}(", "def renamed(") if skip else text)
+    (vllm / "utils").mkdir(parents=True, exist_ok=True)
+    (vllm / "utils" / "math_utils.py").write_text("def cdiv(a, b):\n    return -(-a // b)\n")
+    proposer = vllm / "v1" / "spec_decode" / "llm_base_proposer.py"
+    proposer.parent.mkdir(parents=True, exist_ok=True)
+    proposer.write_text(FAKE_PROPOSER + "\n# self._draft_attn_layer_names = {}\n")
+    return vllm
+
+
+def test_the_rings_hook_points_are_checked_one_by_one(tmp_path):
+    assert ring_points(_ring_tree(tmp_path / "all"), "9.9.9") == {"ring": "ok"}
+    gone = ring_points(_ring_tree(tmp_path / "gone", skip="remove_skipped_blocks"), "9.9.9")
+    assert gone == {
+        "ring_refused": "vLLM 9.9.9 lacks vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager."
+        "remove_skipped_blocks, which arm wmtp-ring replaces or reads"
+    }
+
+
+def test_an_engine_without_the_rings_hook_points_refuses_only_the_ring():
+    manifest = {"versions": {"hook_points": {"ring_refused": "vLLM 9.9.9 lacks X"}}}
+    for arm in ("none", "mtp", "wmtp"):
+        check_cell(_Spec(), manifest, _Cell(arm))
+    with pytest.raises(WindowUnsupported, match=r"cannot serve arm 'wmtp-ring': vLLM 9\.9\.9 lacks X"):
+        check_cell(_Spec(), manifest, _Cell("wmtp-ring"))
 
 
 class _Spec:

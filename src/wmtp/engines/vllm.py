@@ -121,7 +121,10 @@ def check_cell(spec: Any, engine_manifest: Mapping[str, Any], cell: Any) -> None
     An engine whose vLLM fails the check still serves ``none`` and ``mtp`` (the Spark study's 0.24 does),
     so the build records the refusal instead of failing, and it is enforced here.
     """
-    refused = (engine_manifest.get("versions") or {}).get("hook_points_refused")
+    versions = engine_manifest.get("versions") or {}
+    refused = versions.get("hook_points_refused")
+    if cell.arm == "wmtp-ring" and not refused:
+        refused = (versions.get("hook_points") or {}).get("ring_refused")
     if refused and cell.arm in ("wmtp", "wmtp-ring"):
         raise WindowUnsupported(
             f"engine {spec.name!r} cannot serve arm {cell.arm!r}: {refused} (docs/vllm-versions.md lists the "

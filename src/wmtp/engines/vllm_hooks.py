@@ -88,6 +88,35 @@ def _plugin_entry_points() -> list[str]:
     return sorted(ep.value for ep in md.entry_points(group="vllm.general_plugins") if ep.name == "wmtp")
 
 
+def _defines(tree: ast.Module, cls: str | None, member: str | None) -> bool:
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    if cls is None:
+        return any(isinstance(n, ast.FunctionDef) and n.name == member for n in tree.body)
+    if cls not in classes:
+        return False
+    return member is None or any(isinstance(n, ast.FunctionDef) and n.name == member for n in ast.walk(classes[cls]))
+
+
+def ring_points(root: Path, version: str) -> dict:
+    """Whether arm wmtp-ring's hook points exist: ``{"ring": "ok"}`` or ``{"ring_refused": reason}``.
+
+    A vLLM can pass the windowed draft's check and still lack what the ring replaces; then only wmtp-ring is
+    refused, before its server starts.
+    """
+    missing = []
+    for module, cls, member in hp.RING_POINTS:
+        path = root.joinpath(*module.split(".")[1:]).with_suffix(".py")
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path)) if path.exists() else None
+        if tree is None or not _defines(tree, cls, member):
+            missing.append(".".join(part for part in (module, cls, member) if part))
+    proposer = root.joinpath(*hp.PROPOSER_MODULE.split(".")[1:]).with_suffix(".py")
+    if hp.RING_PROPOSER_ATTR not in proposer.read_text(encoding="utf-8"):
+        missing.append(f"{hp.PROPOSER_MODULE}.{hp.PROPOSER_CLASS}.{hp.RING_PROPOSER_ATTR}")
+    if missing:
+        return {"ring_refused": f"vLLM {version} lacks {', '.join(missing)}, which arm wmtp-ring replaces or reads"}
+    return {"ring": "ok"}
+
+
 def runner_switch(root: Path, version: str) -> dict:
     """Which model runner a wmtp server runs: the V1 runner (the hooked one) or a refusal.
 
@@ -164,6 +193,7 @@ def check_hook_points(deep: bool = False, root: Path | None = None, version: str
         "metadata_fields_all": sorted(fields),
         "proposers_overriding_method": overriding,
         **runner_switch(root, version),
+        **ring_points(root, version),
     }
     if installed:
         found["plugin_entry_points"] = _plugin_entry_points()

@@ -64,6 +64,7 @@ def wanted_member(name: str) -> bool:
     """The wheel members the hook check reads: the proposer's package, the metadata module, envs, the V2 runner."""
     proposer_package = _module_file(hp.PROPOSER_MODULE).rsplit("/", 1)[0] + "/"
     exact = {_module_file(hp.METADATA_MODULE), _module_file(hp.V2_RUNNER_MODULE), "vllm/envs.py", "vllm/_version.py"}
+    exact |= {_module_file(module) for module, _, _ in hp.RING_POINTS}
     return name in exact or (name.startswith(proposer_package) and name.endswith(".py") and name.count("/") == 3)
 
 
@@ -127,7 +128,8 @@ def check_sources(root: Path, version: str) -> dict[str, Any]:
         found = check_hook_points(root=root, version=version)
     except HookPointError as err:
         return {"version": version, "status": "refused", "reason": str(err)}
-    return {"version": version, "status": "checked", "runner": found["runner"], "reason": ""}
+    ring = "yes" if found.get("ring") == "ok" else f"refused: {found.get('ring_refused')}"
+    return {"version": version, "status": "checked", "runner": found["runner"], "ring": ring, "reason": ""}
 
 
 def status_rows(checks: Iterable[dict[str, Any]], tested: Iterable[str]) -> list[dict[str, Any]]:
@@ -144,10 +146,11 @@ def status_rows(checks: Iterable[dict[str, Any]], tested: Iterable[str]) -> list
 
 def render_table(rows: Sequence[dict[str, Any]]) -> str:
     """The Markdown table of versions: status, the runner a wmtp server runs on, and the refusal's reason."""
-    lines = ["| vLLM | status | runner | why |", "| --- | --- | --- | --- |"]
+    lines = ["| vLLM | status | runner | wmtp-ring | why |", "| --- | --- | --- | --- | --- |"]
     for row in rows:
         reason = row.get("reason", "").replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {row['version']} | {row['status']} | {row.get('runner') or '—'} | {reason or '—'} |")
+        ring = row.get("ring") or "—"
+        lines.append(f"| {row['version']} | {row['status']} | {row.get('runner') or '—'} | {ring} | {reason or '—'} |")
     return "\n".join(lines) + "\n"
 
 

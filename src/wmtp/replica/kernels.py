@@ -513,6 +513,64 @@ if HAVE_TRITON:
         tl.store(Out + m * s_om + offs, acc.to(Out.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _moe_act_kernel(
+        P, s_p, C_ROUTED, Cw, s_ce, s_ct, GATE_COL, Out, s_o, NE, INTER, S_INTER,
+        BLOCK: tl.constexpr, SWIGLU: tl.constexpr, SHARED_GATE: tl.constexpr,
+    ):  # fmt: skip
+        """Shared expert (e = 0) and routed experts (e >= 1) of token t in one launch, from the MoE's first GEMM
+        P (shared up | router | gate | routed up): activation times sigmoid(gate) or the routing weight."""
+        pid = tl.program_id(0)
+        t = pid // (NE + 1)
+        e = pid % (NE + 1)
+        shared = e == 0
+        width = tl.where(shared, S_INTER, INTER)
+        src = tl.where(shared, 0, C_ROUTED + (e - 1) * INTER * (2 if SWIGLU else 1))
+        dst = tl.where(shared, 0, S_INTER + (e - 1) * INTER)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < width
+        base = P + t * s_p + src
+        if SWIGLU:
+            g = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(base + width + offs, mask=mask, other=0.0).to(tl.float32)
+            y = g * tl.sigmoid(g) * u
+        else:
+            g = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+            y = tl.maximum(g, 0.0)
+            y = y * y
+        if shared:
+            if SHARED_GATE:
+                y = y * tl.sigmoid(tl.load(P + t * s_p + GATE_COL).to(tl.float32))
+        else:
+            y = y * tl.load(Cw + (e - 1) * s_ce + t * s_ct).to(tl.float32)
+        tl.store(Out + t * s_o + dst + offs, y.to(Out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _attn_prep_kernel(
+        Y, s_y, QN, KN, Qo, Kc, Vc, T, HQ, HKV, pos, q_stride, k_off, v_off,
+        s_qb, s_qh, s_qt, s_cb, s_cn, s_ch, eps, D: tl.constexpr,
+    ):  # fmt: skip
+        """Row (b, t) of the QKV projection, head j: q heads RMS-normed into Qo[b, j, t], K heads normed into
+        the cache at pos + t, V heads copied there: three small ops in one launch."""
+        row = tl.program_id(0)
+        j = tl.program_id(1)
+        b = row // T
+        t = row % T
+        offs = tl.arange(0, D)
+        if j < HQ:
+            x = tl.load(Y + row * s_y + j * q_stride + offs).to(tl.float32)
+            y = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps) * tl.load(QN + offs).to(tl.float32)
+            tl.store(Qo + b * s_qb + j * s_qh + t * s_qt + offs, y.to(Qo.dtype.element_ty))
+        elif j < HQ + HKV:
+            h = j - HQ
+            x = tl.load(Y + row * s_y + k_off + h * D + offs).to(tl.float32)
+            y = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps) * tl.load(KN + offs).to(tl.float32)
+            tl.store(Kc + b * s_cb + (pos + t) * s_cn + h * s_ch + offs, y.to(Kc.dtype.element_ty))
+        else:
+            h = j - HQ - HKV
+            x = tl.load(Y + row * s_y + v_off + h * D + offs)
+            tl.store(Vc + b * s_cb + (pos + t) * s_cn + h * s_ch + offs, x)
+
+    @triton.jit
     def _topk_kernel(L, s_l, Idx, Wt, E, K: tl.constexpr, BLOCK_E: tl.constexpr):
         """Router of one token: the top K of E logits by repeated max, softmax over the K chosen."""
         t = tl.program_id(0)
@@ -807,6 +865,60 @@ def linear(
             HAS_RES=residual is not None, num_warps=4,
         )  # fmt: skip
     return out
+
+
+def moe_act(
+    pre: torch.Tensor,
+    c_routed: int,
+    n_experts: int,
+    inter: int,
+    s_inter: int,
+    swiglu: bool,
+    combine: torch.Tensor,
+    gate_col: int | None,
+    out: torch.Tensor,
+    impl: str = "torch",
+) -> torch.Tensor:
+    """Both expert activations of a MoE from its first GEMM's output ``pre`` (shared up in the first
+    columns, the gate logit at ``gate_col``, routed up from ``c_routed``) -> out [T, s_inter + n*inter]."""
+    t = pre.shape[0]
+    if impl == "triton":
+        block = min(1024, triton.next_power_of_2(max(inter, s_inter)))
+        _moe_act_kernel[(t * (n_experts + 1), triton.cdiv(max(inter, s_inter), block))](
+            pre, pre.stride(0), c_routed, combine, combine.stride(0), combine.stride(1),
+            gate_col if gate_col is not None else 0, out, out.stride(0), n_experts, inter, s_inter,
+            BLOCK=block, SWIGLU=swiglu, SHARED_GATE=gate_col is not None, num_warps=4,
+        )  # fmt: skip
+        return out
+    s_up = s_inter * (2 if swiglu else 1)
+    gate = pre[:, gate_col] if gate_col is not None else None
+    expert_act(pre[:, :s_up], 1, s_inter, swiglu, None, out[:, :s_inter], impl, gate_logit=gate)
+    expert_act(pre[:, c_routed:], n_experts, inter, swiglu, combine, out[:, s_inter:], impl)
+    return out
+
+
+def attn_prep(
+    y: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    q_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: int,
+    heads: tuple[int, int, int],
+    gated: bool,
+    eps: float = 1e-6,
+) -> None:
+    """One launch: q heads of the QKV projection y [B*T, cols] normed into q_out [B, Hq, T, D], K normed and V
+    copied into the caches [B, N, Hkv, D] at pos..pos+T (columns: q (with gate) | k | v)."""
+    hq, hkv, d = heads
+    nb, t = q_out.shape[0], q_out.shape[2]
+    n_q = hq * d * (2 if gated else 1)
+    _attn_prep_kernel[(nb * t, hq + 2 * hkv)](
+        y, y.stride(0), q_norm, k_norm, q_out, k_cache, v_cache, t, hq, hkv, pos, d * (2 if gated else 1),
+        n_q, n_q + hkv * d, q_out.stride(0), q_out.stride(1), q_out.stride(2), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), eps, D=d, num_warps=2 if d <= 256 else 4,
+    )  # fmt: skip
 
 
 def router_topk(logits: torch.Tensor, k: int, impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:

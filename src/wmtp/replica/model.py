@@ -37,11 +37,13 @@ from wmtp.replica.kernels import (
     AttnLaunch,
     GemmLaunch,
     KeyRange,
+    attn_prep,
     conv4_update,
     decode_attention,
     expert_act,
     fused_recurrence,
     linear,
+    moe_act,
     rms,
     rms_norm_into,
     router_topk,
@@ -116,9 +118,13 @@ class Attention(_Block):
         k_src = y[:, self.n_q : self.n_q + self.kv_out].view(nb, t, a.num_kv_heads, d)
         v_src = y[:, self.n_q + self.kv_out :].view(nb, t, a.num_kv_heads, d)
         qbuf = torch.empty((nb, a.num_q_heads, t, d), device=x.device, dtype=x.dtype)  # [B, Hq, T, D]
-        rms_norm_into(q_src, self.q_norm, qbuf.transpose(1, 2), impl=self.impl)
-        rms_norm_into(k_src, self.k_norm, self.k_cache[:nb, pos : pos + t], impl=self.impl)
-        self.v_cache[:nb, pos : pos + t].copy_(v_src)
+        if self.impl == "triton":
+            heads = (a.num_q_heads, a.num_kv_heads, d)
+            attn_prep(y, self.q_norm, self.k_norm, qbuf, self.k_cache, self.v_cache, pos, heads, a.output_gate)
+        else:
+            rms_norm_into(q_src, self.q_norm, qbuf.transpose(1, 2), impl=self.impl)
+            rms_norm_into(k_src, self.k_norm, self.k_cache[:nb, pos : pos + t], impl=self.impl)
+            self.v_cache[:nb, pos : pos + t].copy_(v_src)
         if ctx.skip_core:
             o = qbuf.transpose(1, 2)
             if gate is not None:
@@ -266,12 +272,13 @@ class MoE(_Block):
         router_topk(pre[:, self.c_router : self.c_gate], self.m.top_k, self.impl)  # routing cost; dispatch fixed
         gate = pre[:, self.c_gate] if self.m.shared_expert_gate else None
         act = torch.empty((t, self.s_inter + n * self.inter), device=x.device, dtype=x.dtype)
+        if not self.m.latent_size:
+            gate_col = self.c_gate if self.m.shared_expert_gate else None
+            moe_act(pre, self.c_routed, n, self.inter, self.s_inter, self.swiglu, self.combine, gate_col, act,
+                    self.impl)  # fmt: skip
+            return self.mm(act, self.w_down_cat[: self.s_inter + n * self.inter], x)
         expert_act(pre[:, : self.c_router], 1, self.s_inter, self.swiglu, None, act[:, : self.s_inter], self.impl,
                    gate_logit=gate)  # fmt: skip
-        if not self.m.latent_size:
-            u = pre[:, self.c_routed :]
-            expert_act(u, n, self.inter, self.swiglu, self.combine, act[:, self.s_inter :], self.impl)
-            return self.mm(act, self.w_down_cat[: self.s_inter + n * self.inter], x)
         u = self.mm(pre[:, self.c_routed :], self.w_up[:, : n * self.up])
         expert_act(u, n, self.inter, self.swiglu, self.combine, act[:, self.s_inter :], self.impl)
         x = self.mm(self.mm(act[:, self.s_inter :], self.w_down[: n * self.inter]), self.lat_out, x)

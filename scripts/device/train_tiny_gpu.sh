@@ -5,6 +5,8 @@
 #
 # Inputs copied into .gpu-inputs/ at the repository root beforehand (ignored by git):
 #   transformers-5.19.0-py3-none-any.whl   the engine venv's transformers (the GPU machine's image has 5.17)
+#   pydantic, pydantic_core (cp312), annotated_types, typing_inspection, typing_extensions wheels
+#                                          (wmtp.config needs pydantic; the image has none)
 #   stdlib.tar.gz                          CPython 3.11's standard-library corpus files (the GPU machine
 #                                          runs 3.12: same files as the CPU corpus, same held-out split)
 # Usage, from the repository root, with OUT naming the output directory:

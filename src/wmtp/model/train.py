@@ -23,6 +23,10 @@ Two stages, deterministic from a seed, torch on CPU with a fixed number of threa
    too (``Budget.draft_depth`` steps), on the positions where the text is what the target would have
    generated, so that later draft positions are accepted as well as the first.
 
+Two recipes (``--recipe``): ``cpu``, the committed fixture's budget (bitwise reproducible on a CPU), and
+``far-copy`` (:data:`FAR_COPY_BUDGET`, on a GPU: scripts/device/train_far_gpu.sh), whose rows repeat passages
+from up to their whole length back, at lengths up to the longest rung, so that target and head copy from far back.
+
 The checkpoint uses tiny.py's layout (per-expert tensors, ``mtp.*`` names), so vLLM loads it the same
 way; ``install_fixture`` copies the committed one (``tests/fixtures/tiny-trained``) after checking
 its hashes, so CI never retrains.
@@ -96,6 +100,23 @@ class Budget:
     # MTP draft steps trained as a chain (vLLM's draft step j feeds the head its own output back).
     draft_depth: int = 3
     draft_weights: tuple[float, ...] = (1.0, 0.6, 0.4)
+    # Where repeated passages sit. "near" (the CPU fixture's): one passage of up to a third of the row,
+    # repeated shortly after. "far": up to ``copies_per_row`` passages of ``copy_passage`` tokens per row, each
+    # repeated at a distance drawn uniformly from ``copy_min_distance`` to the row's length (the copy
+    # workload's passage sits ~rung - 512 tokens back), so the target and the MTP head learn to copy from far back.
+    copy_layout: str = "near"
+    copy_passage: tuple[int, int] = (32, 256)
+    copy_min_distance: int = 64
+    copies_per_row: int = 1
+    # Length curriculum: ``(from_progress, batch, seq_len)`` rows; from each progress fraction of a stage on,
+    # its batches have that shape (empty: ``batch`` x ``seq_len`` throughout). One list per stage.
+    phases: tuple[tuple[float, int, int], ...] = ()
+    mtp_phases: tuple[tuple[float, int, int], ...] = ()
+    # Wall-clock limit of each stage in seconds (0: none). With a limit, progress (the learning-rate schedule,
+    # the phases) is the larger of the step and time fractions, and the stage ends at whichever comes first;
+    # for a GPU run that must end inside a fixed lease. The steps actually taken are in the manifest's log.
+    target_seconds: float = 0.0
+    mtp_seconds: float = 0.0
     # Characters of training text tokenised (the stream that batches are cut from).
     max_chars: int = 12_000_000
     tokenizer_chars: int = 4_000_000
@@ -183,6 +204,40 @@ TINY_BUDGET = Budget(
 )
 
 
+# The GPU recipe (scripts/device/train_far_gpu.sh): every row carries passages repeated from far back, 60 % of
+# them random tokens (only copying predicts those), at lengths that grow from 512 (cheap steps, many of them, while
+# the copying circuit forms) to the longest rung (16K for the target, 8K for the MTP head, whose draft-chain mask
+# grows with the square of the length), each stage bounded in time so that the run fits one device lease.
+# Measured on an H200 (measurements/h200/train_far_*.log): the target's copying forms abruptly, between steps 300
+# and 500 (accuracy on random repeats 0 -> 0.9-0.97 within 100 steps); a 125 s target stage (448 steps) ended
+# before it did.
+FAR_COPY_BUDGET = Budget(
+    target_steps=6000,
+    mtp_steps=6000,
+    batch=48,
+    seq_len=2048,
+    lr=6e-3,
+    mtp_lr=6e-3,
+    warmup_steps=30,
+    copy_fraction=1.0,
+    random_copy_share=0.6,
+    copy_layout="far",
+    copy_passage=(32, 256),
+    copy_min_distance=64,
+    copies_per_row=6,
+    phases=((0.0, 128, 512), (0.3, 48, 2048), (0.55, 24, 4096), (0.8, 6, 16384)),
+    mtp_phases=((0.0, 128, 512), (0.3, 48, 2048), (0.6, 8, 8192)),
+    target_seconds=200.0,
+    mtp_seconds=150.0,
+    max_chars=8_000_000,
+    device="cuda",
+    eval_batches=2,
+    log_every=25,
+)
+
+RECIPES: dict[str, Budget] = {"cpu": Budget(), "tiny": TINY_BUDGET, "far-copy": FAR_COPY_BUDGET}
+
+
 # --------------------------------------------------------------------------------------------- data
 
 
@@ -263,6 +318,59 @@ def make_batch(
             rows[b, src : src + length] = torch.randint(1, vocab_size, (length,), generator=generator)
         rows[b, dst : dst + length] = rows[b, src : src + length].clone()
         copied[b, dst + 4 : dst + length] = True
+    return rows, copied
+
+
+COPIED_CODE, COPIED_RANDOM = 1, 2
+
+
+def make_far_copy_batch(
+    stream,
+    generator,
+    batch: int,
+    seq_len: int,
+    copy_fraction: float,
+    random_share: float,
+    vocab_size: int,
+    passage: tuple[int, int] = (32, 256),
+    min_distance: int = 64,
+    copies: int = 1,
+):
+    """``batch`` random windows of ``seq_len`` tokens; in a share of them passages recur from far back.
+
+    Each of up to ``copies`` passages per row is ``passage[0]..passage[1]`` tokens long and recurs at a
+    distance drawn uniformly from ``max(min_distance, length)`` to ``seq_len - length`` (a passage that
+    would overlap an earlier one is skipped). A ``random_share`` of them are random tokens, which only
+    copying predicts. Returns (rows, copied): ``copied[b, j]`` is :data:`COPIED_CODE` or
+    :data:`COPIED_RANDOM` on a repeat's tokens after its first four (predictable by copying), else 0.
+    """
+    import torch
+
+    starts = torch.randint(0, len(stream) - seq_len, (batch,), generator=generator)
+    rows = torch.stack([stream[int(s) : int(s) + seq_len] for s in starts])
+    copied = torch.zeros(batch, seq_len, dtype=torch.int8)
+    shortest, longest = passage
+    for b in range(batch):
+        if float(torch.rand((), generator=generator)) >= copy_fraction:
+            continue
+        used = torch.zeros(seq_len, dtype=torch.bool)
+        for _ in range(copies):
+            length = int(torch.randint(shortest, longest + 1, (), generator=generator))
+            nearest = max(min_distance, length)
+            if seq_len - length < nearest:
+                continue
+            distance = int(torch.randint(nearest, seq_len - length + 1, (), generator=generator))
+            src = int(torch.randint(0, seq_len - length - distance + 1, (), generator=generator))
+            dst = src + distance
+            is_random = float(torch.rand((), generator=generator)) < random_share
+            if used[src : src + length].any() or used[dst : dst + length].any():
+                continue
+            used[src : src + length] = True
+            used[dst : dst + length] = True
+            if is_random:
+                rows[b, src : src + length] = torch.randint(1, vocab_size, (length,), generator=generator)
+            rows[b, dst : dst + length] = rows[b, src : src + length].clone()
+            copied[b, dst + 4 : dst + length] = COPIED_RANDOM if is_random else COPIED_CODE
     return rows, copied
 
 
@@ -359,6 +467,19 @@ def chain_mask(n: int, depth: int):
     return mask[None, None]
 
 
+_CHAIN_MASKS: dict = {}
+
+
+def _device_chain_mask(n: int, depth: int, device):
+    """:func:`chain_mask` on ``device``, built once per shape (at 8K tokens and depth 3 it is a gigabyte)."""
+    key = (n, depth, str(device))
+    if key not in _CHAIN_MASKS:
+        if len(_CHAIN_MASKS) >= 4:  # a stage's draft depths at one length; a new phase drops the old ones
+            _CHAIN_MASKS.clear()
+        _CHAIN_MASKS[key] = chain_mask(n, depth).to(device)
+    return _CHAIN_MASKS[key]
+
+
 def mtp_losses(target, head, rows, depth: int, weights: tuple[float, ...], copied=None):
     """Per-step cross-entropy of the head's drafts against the target's greedy tokens, and agreement
     per draft step (plus, with ``copied``, draft step 1's agreement on tokens that repeat a passage).
@@ -392,7 +513,7 @@ def mtp_losses(target, head, rows, depth: int, weights: tuple[float, ...], copie
         blocks.append(head.project(embeds[:, tok], previous))
         x = torch.cat(blocks, dim=1)
         positions = torch.cat([idx + e for e in range(d + 1)])[None]
-        mask = None if d == 0 else chain_mask(n, d).to(device)
+        mask = None if d == 0 else _device_chain_mask(n, d, device)
         out = head(x, positions, mask)[:, d * n :]
         logits = target.lm_head(out)
         label = greedy[:, tok]
@@ -402,7 +523,7 @@ def mtp_losses(target, head, rows, depth: int, weights: tuple[float, ...], copie
         hits = (logits.argmax(-1) == label) & valid
         agree.append(float(hits.sum() / count))
         if d == 0 and copied is not None:
-            on_copy = copied[:, (idx + 2).clamp(max=seq_len - 1)] & valid
+            on_copy = (copied[:, (idx + 2).clamp(max=seq_len - 1)] > 0) & valid
             copy_agree = float((hits & on_copy).sum() / on_copy.sum().clamp(min=1))
         previous = out
     return sum(losses), agree + ([copy_agree] if copied is not None else [])
@@ -411,7 +532,7 @@ def mtp_losses(target, head, rows, depth: int, weights: tuple[float, ...], copie
 # ----------------------------------------------------------------------------------------- training
 
 
-def _lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+def _lr_at(step: float, total: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
@@ -442,6 +563,53 @@ class TrainLog:
 def _steps(n: int, every: int) -> Iterator[tuple[int, bool]]:
     for step in range(n):
         yield step, (step + 1) % every == 0 or step == n - 1
+
+
+def stage_progress(step: int, total: int, elapsed: float, seconds: float) -> float:
+    """The step at which a stage stands, in steps: ``step``, or further on when its time limit runs out first."""
+    if seconds <= 0:
+        return step
+    return max(step, total * elapsed / seconds)
+
+
+def phase_shape(
+    progress: float, phases: tuple[tuple[float, int, int], ...], batch: int, seq_len: int
+) -> tuple[int, int]:
+    """(batch, seq_len) at ``progress`` (0..1) of a stage: the last phase started by then, else the defaults."""
+    shape = (batch, seq_len)
+    for start, phase_batch, phase_len in sorted(phases):
+        if progress >= start:
+            shape = (int(phase_batch), int(phase_len))
+    return shape
+
+
+def _run_stage(params: list, total: int, seconds: float, peak: float, budget: Budget, step_fn) -> int:
+    """AdamW over ``params`` for ``total`` steps, or until ``seconds`` (if set) have passed; returns the steps taken.
+
+    ``step_fn(progress)`` (progress 0..1) returns the step's loss and ``describe(step, seconds)``, called on
+    logging steps after the update.
+    """
+    import torch
+
+    opt = _optimizer(params, peak, budget.weight_decay)
+    t0 = time.monotonic()
+    done = 0
+    for step, report in _steps(total, budget.log_every):
+        elapsed = time.monotonic() - t0
+        if seconds and elapsed >= seconds:
+            break
+        at = stage_progress(step, total, elapsed, seconds)
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(at, total, peak, budget.warmup_steps)
+        loss, describe = step_fn(at / total)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        done = step + 1
+        if report:
+            describe(done, time.monotonic() - t0)
+    return done
 
 
 def train_tiny(
@@ -502,60 +670,81 @@ def train_tiny(
     target = Qwen3NextForCausalLM(config).to(device)
     data_gen = torch.Generator().manual_seed(seed + 10)
     eval_gen = torch.Generator().manual_seed(seed + 20)
-    # Held-out rows repeat code passages only: does copying carry over to real text?
-    eval_rows = [
-        tuple(
-            t.to(device) for t in make_batch(eval_stream, eval_gen, budget.batch, budget.seq_len, budget.copy_fraction)
-        )
-        for _ in range(budget.eval_batches)
-    ]
 
-    def training_batch():
+    def batch_of(source, generator, batch: int, seq_len: int, random_share: float):
+        """Rows (and their copy mask) of ``source`` in the budget's copy layout, on the device."""
+        if budget.copy_layout == "far":
+            rows = make_far_copy_batch(
+                source,
+                generator,
+                batch,
+                seq_len,
+                budget.copy_fraction,
+                random_share,
+                shape.vocab_size,
+                tuple(budget.copy_passage),
+                budget.copy_min_distance,
+                budget.copies_per_row,
+            )
+        elif random_share:
+            rows = make_batch(source, generator, batch, seq_len, budget.copy_fraction, random_share, shape.vocab_size)
+        else:
+            rows = make_batch(source, generator, batch, seq_len, budget.copy_fraction)
+        return tuple(t.to(device) for t in rows)
+
+    def eval_batches(phases) -> list:
+        """Held-out rows at a stage's last shape; they repeat code passages only: does copying carry over?"""
+        batch, seq_len = phase_shape(1.0, tuple(phases), budget.batch, budget.seq_len)
+        return [batch_of(eval_stream, eval_gen, batch, seq_len, 0.0) for _ in range(budget.eval_batches)]
+
+    eval_rows = eval_batches(budget.phases)
+    # The MTP stage's held-out rows: its own last shape (the chain's attention mask grows with its square).
+    mtp_eval_rows = eval_rows if tuple(budget.mtp_phases) == tuple(budget.phases) else eval_batches(budget.mtp_phases)
+
+    def training_batch(progress: float, phases):
         """The next training rows (and their copy mask) from the one seeded stream, on the device."""
-        batch = make_batch(
-            stream,
-            data_gen,
-            budget.batch,
-            budget.seq_len,
-            budget.copy_fraction,
-            budget.random_copy_share,
-            shape.vocab_size,
-        )
-        return tuple(t.to(device) for t in batch)
+        batch, seq_len = phase_shape(progress, tuple(phases), budget.batch, budget.seq_len)
+        return batch_of(stream, data_gen, batch, seq_len, budget.random_copy_share)
 
     def target_loss(rows, copied):
-        """Next-token loss, and accuracy on the tokens of repeated passages (does the target copy?)."""
+        """Next-token loss, and accuracy on the tokens of repeated passages, all and random ones (does it copy?)."""
         logits = target(input_ids=rows).logits[:, :-1]
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
-        on_copy = copied[:, 1:]
-        copy_acc = float(((logits.argmax(-1) == rows[:, 1:]) & on_copy).sum() / on_copy.sum().clamp(min=1))
-        return loss, copy_acc
+        hits = logits.argmax(-1) == rows[:, 1:]
+        on_copy = copied[:, 1:] > 0
+        on_random = copied[:, 1:] == COPIED_RANDOM
+        copy_acc = float((hits & on_copy).sum() / on_copy.sum().clamp(min=1))
+        random_acc = float((hits & on_random).sum() / on_random.sum().clamp(min=1)) if on_random.any() else None
+        return loss, copy_acc, random_acc
 
     with fast_conv():
         # Stage 1: the target.
         t0 = time.monotonic()
         target.train()
-        opt = _optimizer(target.parameters(), budget.lr, budget.weight_decay)
-        for step, report in _steps(budget.target_steps, budget.log_every):
-            for group in opt.param_groups:
-                group["lr"] = _lr_at(step, budget.target_steps, budget.lr, budget.warmup_steps)
-            rows, copied = training_batch()
-            loss, copy_acc = target_loss(rows, copied)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
-            opt.step()
-            if report:
-                record.target_loss.append((step + 1, round(loss.item(), 4), round(copy_acc, 4)))
-                rate = (step + 1) * rows.numel() / (time.monotonic() - t0)
+
+        def target_step(progress: float):
+            rows, copied = training_batch(progress, budget.phases)
+            loss, copy_acc, random_acc = target_loss(rows, copied)
+
+            def describe(step: int, seconds: float) -> None:
+                record.target_loss.append((step, round(loss.item(), 4), round(copy_acc, 4)))
                 log.info(
-                    "target step %d/%d: loss %.3f, accuracy on repeated passages %.3f (%.0f tok/s)",
-                    step + 1,
+                    "target step %d/%d (%d x %d): loss %.3f, accuracy on repeated passages %.3f%s (%.0f tok/s)",
+                    step,
                     budget.target_steps,
+                    rows.shape[0],
+                    rows.shape[1],
                     loss.item(),
                     copy_acc,
-                    rate,
+                    "" if random_acc is None else f", on random ones {random_acc:.3f}",
+                    step * rows.numel() / seconds,
                 )
+
+            return loss, describe
+
+        record.heldout["target_steps_done"] = _run_stage(
+            list(target.parameters()), budget.target_steps, budget.target_seconds, budget.lr, budget, target_step
+        )
         record.seconds["target"] = round(time.monotonic() - t0, 1)
         target.eval()
         for p in target.parameters():
@@ -574,31 +763,34 @@ def train_tiny(
         t0 = time.monotonic()
         head = build_mtp_head(shape, seed + 1).to(device)
         head.train()
-        opt = _optimizer(head.parameters(), budget.mtp_lr, budget.weight_decay)
         weights = budget.draft_weights[: budget.draft_depth]
-        for step, report in _steps(budget.mtp_steps, budget.log_every):
-            for group in opt.param_groups:
-                group["lr"] = _lr_at(step, budget.mtp_steps, budget.mtp_lr, budget.warmup_steps)
-            rows, copied = training_batch()
+
+        def head_step(progress: float):
+            rows, copied = training_batch(progress, budget.mtp_phases)
             loss, agree = mtp_losses(target, head, rows, budget.draft_depth, weights, copied)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            opt.step()
-            if report:
-                record.mtp_loss.append((step + 1, round(loss.item(), 4)))
+
+            def describe(step: int, seconds: float) -> None:
+                record.mtp_loss.append((step, round(loss.item(), 4)))
                 log.info(
-                    "mtp step %d/%d: loss %.3f, agreement per draft step %s, on repeated passages %.3f",
-                    step + 1,
+                    "mtp step %d/%d (%d x %d): loss %.3f, agreement per draft step %s, on repeated passages %.3f",
+                    step,
                     budget.mtp_steps,
+                    rows.shape[0],
+                    rows.shape[1],
                     loss.item(),
                     [round(a, 3) for a in agree[:-1]],
                     agree[-1],
                 )
+
+            return loss, describe
+
+        record.heldout["mtp_steps_done"] = _run_stage(
+            list(head.parameters()), budget.mtp_steps, budget.mtp_seconds, budget.mtp_lr, budget, head_step
+        )
         record.seconds["mtp"] = round(time.monotonic() - t0, 1)
         head.eval()
         with torch.no_grad():
-            per_step = [mtp_losses(target, head, r, budget.draft_depth, weights, c)[1] for r, c in eval_rows]
+            per_step = [mtp_losses(target, head, r, budget.draft_depth, weights, c)[1] for r, c in mtp_eval_rows]
         means = [round(sum(s[d] for s in per_step) / len(per_step), 4) for d in range(budget.draft_depth + 1)]
         record.heldout["mtp_agreement"], record.heldout["mtp_copy_agreement"] = means[:-1], means[-1]
         log.info(
@@ -681,6 +873,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--budget", type=json.loads, default={}, help="JSON overrides of Budget, e.g. '{\"mtp_steps\": 20}'")
     t.add_argument("--tiny", action="store_true", help="the test's tiny budget (seconds; for the determinism check)")
+    t.add_argument("--recipe", choices=sorted(RECIPES), default="cpu", help="the base budget that --budget overrides")
     t.add_argument("--tokenizer", type=Path, help="reuse this tokenizer.json instead of training one")
     t.add_argument("--shape", type=json.loads, default={}, help="JSON overrides of the trained TinyShape")
     t.add_argument("--stdlib", type=Path, help="read the corpus from this standard-library root")
@@ -693,7 +886,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "install":
         install_fixture(args.out, args.fixture, args.seed)
         return 0
-    base = TINY_BUDGET if args.tiny else Budget()
+    base = TINY_BUDGET if args.tiny else RECIPES[args.recipe]
     budget = Budget(**{**asdict(base), **args.budget})
     shape = TinyShape(**{**asdict(TRAINED_SHAPE), **args.shape})
     if budget.device == "cpu":

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Train the tiny hybrid MTP checkpoint with the far-copy recipe (wmtp.model.train.FAR_COPY_BUDGET) on one GPU (an
+# H200): every row carries passages repeated up to its whole length later, 60 % of them random tokens, at lengths
+# growing from 512 to 16K, so that the target and its MTP head learn to copy from far back. Each stage stops at its
+# time limit, so the run fits one lease. Several variants may run side by side (each process is bound by kernel
+# launches, not by the GPU), but three at once ran out of the GPU's memory at 16K: train the checkpoint alone.
+#
+# Inputs copied into .gpu-inputs/ at the repository root beforehand (ignored by git), as for train_tiny_gpu.sh:
+#   transformers-5.19.0-py3-none-any.whl   the engine venv's transformers (the GPU machine's image has 5.17)
+#   pydantic, pydantic_core (cp312), annotated_types, typing_inspection, typing_extensions wheels
+#                                          (wmtp.config needs pydantic; the image has none)
+#   stdlib.tar.gz                          CPython 3.11's standard-library .py files (the corpus and its held-out
+#                                          split, as on the CPU; the GPU machine runs 3.12)
+# Usage, from the repository root, with OUT naming the output directory; per variant a name, TinyShape overrides
+# and Budget overrides (JSON). Writes $OUT/NAME.log and $OUT/NAME.tar (the checkpoint directory):
+#   OUT=/path/to/out bash scripts/device/train_far_gpu.sh far '{}' '{}' far2 '{"full_attention_every": 2}' '{}'
+set -euo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu-inputs/*.whl
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+mkdir -p /tmp/stdlib /tmp/train && tar xzf .gpu-inputs/stdlib.tar.gz -C /tmp/stdlib
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+pids=()
+while [ $# -ge 3 ]; do
+  name=$1 shape=$2 budget=$3
+  shift 3
+  (
+    python3 -m wmtp.model.train train --recipe far-copy --seed 0 --out "/tmp/train/$name" \
+      --tokenizer tests/fixtures/tiny-trained/tokenizer.json --stdlib /tmp/stdlib --shape "$shape" --budget "$budget" \
+      >"$OUT/$name.log" 2>&1
+    tar cf "$OUT/$name.tar" -C /tmp/train "$name"
+  ) &
+  pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+grep -hE "held-out|tok/s\)$" "$OUT"/*.log | tail -n 20
+exit $status

@@ -1,0 +1,138 @@
+"""What a window costs: acceptance on the copy workload against how far back the copied passage sits,
+relative to the draft's window W.
+
+A copy-task prompt ends by starting to repeat a passage that begins ``distance`` tokens before the end of
+the prompt (wmtp.measure.workload.CopyTask.distance). A windowed draft sees the sink and the last W
+tokens, so once ``distance / W`` passes 1 it can no longer read the passage, and its acceptance should
+fall towards what a draft without the passage guesses. The full draft (arm ``mtp``, no window) is the
+reference at every distance: its ``distance / W`` is 0.
+
+Each point is the mean of per-request acceptances with a Student-t interval, plus the paired difference
+to the full draft on the same prompts (same workload, rung and prompt index), also with a t interval.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from wmtp.analyze.analysis import WINDOWED_ARMS
+from wmtp.analyze.intervals import Interval, mean_interval, paired_difference_interval
+from wmtp.report.load import Section
+
+COPY_WORKLOAD = "copy"
+FULL_DRAFT_ARM = "mtp"
+
+#: One row per (arm, sink, window, rung): where the passage sat, how far that is in windows, and acceptance.
+COLUMNS: tuple[str, ...] = (
+    "arm",
+    "sink",
+    "window",
+    "rung",
+    "distance",
+    "distance_over_window",
+    "covered",
+    "n",
+    "acceptance",
+    "lo",
+    "hi",
+    "vs_full",
+    "vs_full_lo",
+    "vs_full_hi",
+)
+
+
+def passage_distance(frame: pd.DataFrame, lead_tokens: int | None = None) -> pd.Series:
+    """Tokens from the end of each prompt back to the start of its passage.
+
+    The frame's own ``distance`` column where it has one (scripts/acceptance_cpu.py writes it), else
+    ``rung - lead_tokens`` (the copy prompt's passage follows a lead-in of ``lead_tokens`` tokens).
+    """
+    if "distance" in frame.columns and frame["distance"].notna().all():
+        return pd.to_numeric(frame["distance"]).astype(float)
+    if lead_tokens is None:
+        raise ValueError("the frame has no 'distance' column: pass lead_tokens (the copy prompt's lead-in)")
+    return pd.to_numeric(frame["rung"]).astype(float) - float(lead_tokens)
+
+
+def request_acceptance(frame: pd.DataFrame) -> pd.Series:
+    """Per-request acceptance: the tidy table's ``req_acceptance``, else accepted / draft tokens."""
+    if "req_acceptance" in frame.columns:
+        return pd.to_numeric(frame["req_acceptance"], errors="coerce").astype(float)
+    tokens = pd.to_numeric(frame["draft_tokens"]).astype(float)
+    return (pd.to_numeric(frame["accepted"]).astype(float) / tokens.where(tokens > 0)).astype(float)
+
+
+def _prompt_key(frame: pd.DataFrame) -> str:
+    for column in ("index", "repeat"):
+        if column in frame.columns:
+            return column
+    raise ValueError("the frame names no prompt ('index' or 'repeat'): acceptance cannot be paired")
+
+
+def window_cost(frame: pd.DataFrame, lead_tokens: int | None = None, level: float = 0.95) -> pd.DataFrame:
+    """The window's cost curve on the copy workload (see the module's docstring); :data:`COLUMNS`.
+
+    ``frame`` holds one row per request: ``arm``, ``sink``, ``window``, ``workload``, ``rung``, a prompt
+    index (``index`` or ``repeat``), and either ``req_acceptance`` or ``accepted`` and ``draft_tokens``;
+    requests flagged ``excluded`` are left out. Rows are sorted by arm, window and distance.
+    """
+    f = frame[frame["workload"] == COPY_WORKLOAD]
+    if "excluded" in f.columns:
+        f = f[~f["excluded"].astype(bool)]
+    f = f[f["arm"] != "none"].copy()
+    if f.empty:
+        return pd.DataFrame(columns=list(COLUMNS))
+    key = _prompt_key(f)
+    f["_acceptance"] = request_acceptance(f)
+    f["_distance"] = passage_distance(f, lead_tokens)
+    full = f[f["arm"] == FULL_DRAFT_ARM].set_index(["rung", key])["_acceptance"]
+    rows = []
+    groups = f.fillna({"sink": -1, "window": -1}).groupby(["arm", "sink", "window", "rung"], sort=True)
+    for (arm, sink, window, rung), g in groups:
+        acc = mean_interval(g["_acceptance"].to_numpy(), level)
+        pairs = [(a, full.get((rung, i), math.nan)) for a, i in zip(g["_acceptance"], g[key], strict=True)]
+        paired = [(a, b) for a, b in pairs if np.isfinite(a) and np.isfinite(b)]
+        diff = (
+            paired_difference_interval([a for a, _ in paired], [b for _, b in paired], level)
+            if paired and arm != FULL_DRAFT_ARM
+            else Interval(math.nan, math.nan, math.nan, 0)
+        )
+        distance = float(g["_distance"].mean())
+        has_window = window is not None and float(window) > 0
+        rows.append(
+            {
+                "arm": arm,
+                "sink": None if sink == -1 else sink,
+                "window": None if window == -1 else window,
+                "rung": rung,
+                "distance": distance,
+                "distance_over_window": distance / float(window) if has_window else 0.0,
+                "covered": bool(not has_window or distance <= float(window)),
+                "n": acc.n,
+                "acceptance": acc.value,
+                # A rate lies in [0, 1] and a difference of rates in [-1, 1]: t intervals at n = 2-5 overshoot.
+                "lo": max(acc.lo, 0.0),
+                "hi": min(acc.hi, 1.0),
+                "vs_full": diff.value,
+                "vs_full_lo": max(diff.lo, -1.0),
+                "vs_full_hi": min(diff.hi, 1.0),
+            }
+        )
+    out = pd.DataFrame(rows, columns=list(COLUMNS))
+    out["_order"] = out["window"].fillna(math.inf)
+    return out.sort_values(["arm", "_order", "distance"], kind="stable").drop(columns="_order").reset_index(drop=True)
+
+
+def window_cost_section(requests: pd.DataFrame, lead_tokens: int | None = None) -> Section:
+    """:func:`window_cost` of a study's tidy requests as a report section, with a note where it cannot be drawn."""
+    if requests.empty or "workload" not in requests.columns or not (requests["workload"] == COPY_WORKLOAD).any():
+        return Section(notes=("no copy-task prompts in this study: no distance to the copied passage to show",))
+    if not requests["arm"].isin(WINDOWED_ARMS).any():
+        return Section(notes=("no windowed draft in this study: nothing for a window to cost",))
+    frame = window_cost(requests, lead_tokens)
+    if frame["acceptance"].isna().all():
+        return Section(notes=("the spec-decode counters did not move on the copy task: no acceptance to show",))
+    return Section(frame)

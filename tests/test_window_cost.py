@@ -1,0 +1,102 @@
+"""wmtp.report.window_cost: acceptance against the copied passage's distance, relative to the window."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from wmtp.report.window_cost import COLUMNS, passage_distance, window_cost
+
+
+def _requests() -> pd.DataFrame:
+    """Copy prompts at two rungs, three prompts each: the full draft copies, W=256 does not, W=4096 at 4K does."""
+    rows = []
+    for rung in (1024, 4096):
+        for index in range(3):
+            full = 0.9 + 0.01 * index
+            for arm, sink, window, acc in (
+                ("mtp", None, None, full),
+                ("wmtp", 16, 256, full - 0.5),
+                ("wmtp", 16, 4096, full),
+            ):
+                rows.append(
+                    {
+                        "arm": arm,
+                        "sink": sink,
+                        "window": window,
+                        "workload": "copy",
+                        "rung": rung,
+                        "index": index,
+                        "distance": rung - 520,
+                        "accepted": acc * 100,
+                        "draft_tokens": 100,
+                    }
+                )
+            rows.append({**rows[-1], "workload": "plain", "accepted": 10})  # not the copy workload: ignored
+    return pd.DataFrame(rows)
+
+
+def test_the_windowed_draft_loses_what_its_window_cannot_see():
+    out = window_cost(_requests())
+    assert list(out.columns) == list(COLUMNS)
+    assert len(out) == 6 and set(out["n"]) == {3}
+    narrow = out[(out["arm"] == "wmtp") & (out["window"] == 256)]
+    assert list(narrow["distance"]) == [504, 3576]
+    assert list(narrow["distance_over_window"]) == pytest.approx([504 / 256, 3576 / 256])
+    assert not narrow["covered"].any()
+    assert narrow["vs_full"].tolist() == pytest.approx([-0.5, -0.5])
+    # Every prompt loses exactly 0.5: the paired interval collapses onto it, the unpaired one does not.
+    assert narrow["vs_full_lo"].tolist() == pytest.approx([-0.5, -0.5])
+    assert (narrow["hi"] > narrow["acceptance"]).all() and (narrow["lo"] < narrow["acceptance"]).all()
+    wide = out[(out["arm"] == "wmtp") & (out["window"] == 4096)]
+    assert wide["covered"].all() and wide["vs_full"].tolist() == pytest.approx([0.0, 0.0])
+    full = out[out["arm"] == "mtp"]
+    assert full["distance_over_window"].tolist() == [0.0, 0.0] and full["covered"].all()
+    assert full["vs_full"].isna().all()
+    assert full["acceptance"].tolist() == pytest.approx([0.91, 0.91])
+
+
+def test_distance_from_the_lead_in_when_the_table_has_none():
+    frame = _requests().drop(columns="distance").rename(columns={"index": "repeat"})
+    with pytest.raises(ValueError, match="lead_tokens"):
+        window_cost(frame)
+    out = window_cost(frame, lead_tokens=512)
+    assert sorted(set(out["distance"])) == [512, 3584]
+    assert list(passage_distance(pd.DataFrame({"rung": [16384]}), 512)) == [15872]
+
+
+def test_excluded_requests_and_no_copy_rows():
+    frame = _requests()
+    frame["excluded"] = (frame["index"] == 2) & (frame["arm"] == "wmtp")
+    out = window_cost(frame)
+    assert set(out.loc[out["arm"] == "wmtp", "n"]) == {2}
+    assert window_cost(frame[frame["workload"] == "plain"]).empty
+
+
+def test_tidy_per_request_acceptance_is_used_when_present():
+    frame = _requests()
+    frame["req_acceptance"] = math.nan
+    frame.loc[frame["arm"] == "mtp", "req_acceptance"] = 0.5
+    out = window_cost(frame)
+    assert out.loc[out["arm"] == "mtp", "acceptance"].tolist() == pytest.approx([0.5, 0.5])
+    assert out.loc[out["arm"] == "wmtp", "n"].eq(0).all()  # NaN acceptances are not counted
+
+
+def test_the_section_says_why_it_is_empty():
+    from wmtp.report.window_cost import window_cost_section
+
+    frame = _requests()
+    assert window_cost_section(frame).available
+    assert "no copy-task" in window_cost_section(frame[frame["workload"] == "plain"]).notes[0]
+    assert "no windowed draft" in window_cost_section(frame[frame["arm"] == "mtp"]).notes[0]
+
+
+def test_intervals_stay_within_what_a_rate_can_be():
+    frame = _requests()
+    frame.loc[(frame["arm"] == "mtp") & (frame["index"] == 0), "accepted"] = 0  # 0, 0.91, 0.92: a wide interval
+    out = window_cost(frame)
+    full = out[out["arm"] == "mtp"]
+    assert (full["lo"] == 0.0).all() and (full["hi"] <= 1.0).all()
+    assert (out["vs_full_hi"].dropna() <= 1.0).all() and (out["vs_full_lo"].dropna() >= -1.0).all()

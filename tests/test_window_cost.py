@@ -100,3 +100,22 @@ def test_intervals_stay_within_what_a_rate_can_be():
     full = out[out["arm"] == "mtp"]
     assert (full["lo"] == 0.0).all() and (full["hi"] <= 1.0).all()
     assert (out["vs_full_hi"].dropna() <= 1.0).all() and (out["vs_full_lo"].dropna() >= -1.0).all()
+
+
+def test_the_lead_in_matches_the_copy_workloads():
+    from wmtp.config import COPY_LEAD_TOKENS
+    from wmtp.report import window_cost as wc
+
+    assert wc.COPY_LEAD_TOKENS == COPY_LEAD_TOKENS
+
+
+def test_display_and_figure_draw_every_windowed_draft():
+    from wmtp.report.window_cost import window_cost_display, window_cost_figure, window_cost_section
+
+    section = window_cost_section(_requests())
+    table = window_cost_display(section)
+    assert len(table) == 6 and table["n"].eq(3).all()
+    assert table.loc[table["draft"] == "wmtp S=16 W=256", "vs full draft, points [95 %]"].str.startswith("-50.0").all()
+    fig = window_cost_figure(section)
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log" and len(ax.get_legend().get_texts()) == 2

@@ -24,6 +24,10 @@ from wmtp.report.load import Section
 
 COPY_WORKLOAD = "copy"
 FULL_DRAFT_ARM = "mtp"
+# The copy prompt's lead-in before its passage: wmtp.config.COPY_LEAD_TOKENS, which the report may not import
+# (tests/test_window_cost.py checks that the two agree). A tidy table has no per-request distance, so the
+# distance is rung - lead-in (the chat template's few tokens before the lead-in are not counted).
+COPY_LEAD_TOKENS = 512
 
 #: One row per (arm, sink, window, rung): where the passage sat, how far that is in windows, and acceptance.
 COLUMNS: tuple[str, ...] = (
@@ -126,7 +130,7 @@ def window_cost(frame: pd.DataFrame, lead_tokens: int | None = None, level: floa
     return out.sort_values(["arm", "_order", "distance"], kind="stable").drop(columns="_order").reset_index(drop=True)
 
 
-def window_cost_section(requests: pd.DataFrame, lead_tokens: int | None = None) -> Section:
+def window_cost_section(requests: pd.DataFrame, lead_tokens: int | None = COPY_LEAD_TOKENS) -> Section:
     """:func:`window_cost` of a study's tidy requests as a report section, with a note where it cannot be drawn."""
     if requests.empty or "workload" not in requests.columns or not (requests["workload"] == COPY_WORKLOAD).any():
         return Section(notes=("no copy-task prompts in this study: no distance to the copied passage to show",))
@@ -136,3 +140,59 @@ def window_cost_section(requests: pd.DataFrame, lead_tokens: int | None = None) 
     if frame["acceptance"].isna().all():
         return Section(notes=("the spec-decode counters did not move on the copy task: no acceptance to show",))
     return Section(frame)
+
+
+def window_cost_display(section: Section) -> pd.DataFrame:
+    """The section as a table: one row per arm, window and rung, acceptance and its change vs the full draft."""
+    if not section.available:
+        return pd.DataFrame()
+    f = section.frame
+
+    def pct(value: float) -> str:
+        return "" if not np.isfinite(value) else f"{100 * value:.1f}"
+
+    return pd.DataFrame(
+        {
+            "draft": [
+                a if pd.isna(w) else f"{a} S={int(s)} W={int(w)}"
+                for a, s, w in zip(f["arm"], f["sink"], f["window"], strict=True)
+            ],
+            "context": f["rung"].astype(int),
+            "passage back (tokens)": f["distance"].round().astype(int),
+            "back / W": [f"{x:.2g}" if x else "" for x in f["distance_over_window"]],
+            "acceptance % [95 %]": [
+                f"{pct(v)} [{pct(lo)}, {pct(hi)}]" for v, lo, hi in zip(f["acceptance"], f["lo"], f["hi"], strict=True)
+            ],
+            "vs full draft, points [95 %]": [
+                "" if not np.isfinite(v) else f"{pct(v)} [{pct(lo)}, {pct(hi)}]"
+                for v, lo, hi in zip(f["vs_full"], f["vs_full_lo"], f["vs_full_hi"], strict=True)
+            ],
+            "n": f["n"],
+        }
+    )
+
+
+def window_cost_figure(section: Section):
+    """Acceptance (with its interval) against distance / W, one line per windowed draft; the full draft's
+    acceptance at each distance as grey marks at W's reach (distance / W = 1 is the window's edge)."""
+    import matplotlib.pyplot as plt
+
+    f = section.frame
+    fig, ax = plt.subplots(figsize=(7, 4))
+    windowed = f[f["window"].notna()]
+    for (arm, sink, window), g in windowed.groupby(["arm", "sink", "window"], sort=True):
+        g = g.sort_values("distance_over_window")
+        x, y = g["distance_over_window"], 100 * g["acceptance"]
+        err = [y - 100 * g["lo"], 100 * g["hi"] - y]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"{arm} S={int(sink)} W={int(window)}")
+        full = f[(f["arm"] == FULL_DRAFT_ARM) & f["rung"].isin(g["rung"])].set_index("rung")["acceptance"]
+        ax.scatter(x, [100 * full.get(r, np.nan) for r in g["rung"]], marker="_", s=200, color="grey")
+    ax.axvline(1.0, color="black", linewidth=0.8, linestyle=":")
+    ax.set_xscale("log")
+    ax.set_ylim(-4, 104)
+    ax.set_xlabel("distance back to the copied passage / W (tokens / tokens)")
+    ax.set_ylabel("accepted / drafted tokens (%)")
+    ax.set_title("What the window costs on the copy task (grey: the full draft at the same prompts)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

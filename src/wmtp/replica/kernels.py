@@ -556,19 +556,20 @@ if HAVE_TRITON:
         b = row // T
         t = row % T
         offs = tl.arange(0, D)
+        # each branch names its own values: the compiler wants one type per name across branches
         if j < HQ:
-            x = tl.load(Y + row * s_y + j * q_stride + offs).to(tl.float32)
-            y = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps) * tl.load(QN + offs).to(tl.float32)
-            tl.store(Qo + b * s_qb + j * s_qh + t * s_qt + offs, y.to(Qo.dtype.element_ty))
+            xq = tl.load(Y + row * s_y + j * q_stride + offs).to(tl.float32)
+            yq = xq * tl.rsqrt(tl.sum(xq * xq, 0) / D + eps) * tl.load(QN + offs).to(tl.float32)
+            tl.store(Qo + b * s_qb + j * s_qh + t * s_qt + offs, yq.to(Qo.dtype.element_ty))
         elif j < HQ + HKV:
-            h = j - HQ
-            x = tl.load(Y + row * s_y + k_off + h * D + offs).to(tl.float32)
-            y = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps) * tl.load(KN + offs).to(tl.float32)
-            tl.store(Kc + b * s_cb + (pos + t) * s_cn + h * s_ch + offs, y.to(Kc.dtype.element_ty))
+            hk = j - HQ
+            xk = tl.load(Y + row * s_y + k_off + hk * D + offs).to(tl.float32)
+            yk = xk * tl.rsqrt(tl.sum(xk * xk, 0) / D + eps) * tl.load(KN + offs).to(tl.float32)
+            tl.store(Kc + b * s_cb + (pos + t) * s_cn + hk * s_ch + offs, yk.to(Kc.dtype.element_ty))
         else:
-            h = j - HQ - HKV
-            x = tl.load(Y + row * s_y + v_off + h * D + offs)
-            tl.store(Vc + b * s_cb + (pos + t) * s_cn + h * s_ch + offs, x)
+            hv = j - HQ - HKV
+            xv = tl.load(Y + row * s_y + v_off + hv * D + offs)
+            tl.store(Vc + b * s_cb + (pos + t) * s_cn + hv * s_ch + offs, xv)
 
     @triton.jit
     def _topk_kernel(L, s_l, Idx, Wt, E, K: tl.constexpr, BLOCK_E: tl.constexpr):

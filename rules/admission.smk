@@ -6,19 +6,21 @@ rule admission:
     input:
         engine=lambda wc: engine_input(wc.engine),
         model=lambda wc: model_files(wc.model),
-        study=ancient(RESOLVED_CONFIG),
     output:
         layout.admission_file(RESULTS, "{model}", "{engine}"),
     log:
         LOGS / "admission" / "{model}~{engine}.log",
     params:
         py=PY,
-        # What the proof depends on besides the engine and the model: a change reruns it.
+        # Everything the proof depends on besides the engine's build and the model's files: a change reruns it.
+        engine=lambda wc: json.dumps(STUDY.engine(wc.engine).model_dump(mode="json"), sort_keys=True),
+        model_dir=lambda wc: STUDY.model_dir(wc.model),
         proof=lambda wc: admission_settings(wc.model, wc.engine),
     resources:
         gpu=1,
     conda:
         "../envs/pipeline.yaml"
     shell:
-        "{params.py} -m wmtp --log {log:q} admission --config {input.study:q} --model {wildcards.model:q} "
-        "--engine {wildcards.engine:q} --engine-manifest {input.engine:q} --out {output:q}"
+        "{params.py} -m wmtp --log {log:q} admission --model {wildcards.model:q} --engine-json {params.engine:q} "
+        "--engine-manifest {input.engine:q} --model-dir {params.model_dir:q} --proof {params.proof:q} "
+        "--out {output:q}"

@@ -3,6 +3,9 @@
 
 
 rule study:
+    input:
+        # Also rewritten when a study file is newer: the params record alone is lost with .snakemake/.
+        workflow.configfiles,
     output:
         RESOLVED_CONFIG,
     log:

@@ -81,23 +81,18 @@ def cmd_cell_run(args: argparse.Namespace) -> int:
 def cmd_admission(args: argparse.Namespace) -> int:
     from wmtp.measure.admission import run_in_engine
 
-    study = _study(args)
-    proofs = {(c.model, c.engine): c for c in study.admission_proofs()}
-    cell = proofs.get((args.model, args.engine))
-    if cell is None:
-        raise ConfigError(
-            f"study {study.study!r} asks for no admission proof of model {args.model!r} on {args.engine!r}"
-        )
+    spec = EngineSpec.model_validate_json(args.engine_json)
+    proof = json.loads(args.proof)
     engine_manifest = json.loads(Path(args.engine_manifest).read_text())
-    spec = study.engine(args.engine)
-    model_dir = study.model_dir(args.model)
-    out = Path(args.out)
+    model_dir, out = Path(args.model_dir), Path(args.out)
     measured = out.with_name(out.name + ".engine")
-    result = run_in_engine(engine_manifest["python"], spec.env, model_dir, measured, cell.sink, cell.window, cell.k)
+    result = run_in_engine(
+        engine_manifest["python"], spec.env, model_dir, measured, proof["sink"], proof["window"], proof["k"]
+    )
     result["predicted"] = predicted_reclaim(model_dir / "config.json", result, args.model)
     out.write_text(json.dumps(result, indent=2))
     measured.unlink()
-    logging.getLogger("wmtp").info("admission %s on %s: %s", args.model, args.engine, result["verdict"])
+    logging.getLogger("wmtp").info("admission %s on %s: %s", args.model, spec.name, result["verdict"])
     return 0
 
 
@@ -183,10 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path)
     p.set_defaults(func=cmd_write_study)
 
-    p = with_config(sub.add_parser("admission", help="the ring's admission proof for one model on one engine"))
-    p.add_argument("--model", required=True)
-    p.add_argument("--engine", required=True)
+    p = sub.add_parser("admission", help="the ring's admission proof for one model on one engine")
+    p.add_argument("--model", required=True, help="the model's name")
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--engine-json", required=True, help="the engine's spec as one JSON object")
     p.add_argument("--engine-manifest", required=True)
+    p.add_argument("--proof", required=True, help='{"sink": S, "window": W, "k": K} of the ring cell')
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_admission)
 

@@ -440,7 +440,7 @@ def reclaim_measured_section(tidy: Tidy) -> Section:
                         "engine": engine,
                         "where": f"cells S={int(ring_cell['sink'])} W={int(ring_cell['window'])}, max_model_len",
                         "reclaimed, engine (%)": round(100 * share, 1),
-                        "reclaimed, cost model (%)": None,
+                        "reclaimed, cost model (%)": "—",
                     }
                 )
     if not rows:

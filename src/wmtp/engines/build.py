@@ -67,22 +67,23 @@ def _find_base_python(version: str) -> str:
     )
 
 
+def _run_marked(python: str, spec: EngineSpec, argv: list[str], marker: str, timeout_s: int) -> tuple[dict | None, str]:
+    """Run ``python argv`` with the engine's env; the JSON after ``marker`` on stdout, else the output's tail."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), **spec.env}
+    proc = subprocess.run([python, *argv], capture_output=True, text=True, env=env, check=False, timeout=timeout_s)
+    for line in proc.stdout.splitlines():
+        if line.startswith(marker):
+            return json.loads(line[len(marker) :]), ""
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+    return None, f"(exit {proc.returncode}):\n{tail}"
+
+
 def probe(python: str, spec: EngineSpec) -> dict:
     """Import the engine inside its environment; check plugin entry point and hook points."""
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), **spec.env}
-    proc = subprocess.run(
-        [python, "-c", adapter(spec.kind).version_probe],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-        timeout=600,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("WMTP-PROBE "):
-            return json.loads(line[len("WMTP-PROBE ") :])
-    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-    raise EngineBuildError(f"engine self-check failed in {python} (exit {proc.returncode}):\n{tail}")
+    found, failure = _run_marked(python, spec, ["-c", adapter(spec.kind).version_probe], "WMTP-PROBE ", 600)
+    if found is None:
+        raise EngineBuildError(f"engine self-check failed in {python} {failure}")
+    return found
 
 
 # A checkpoint of the hybrid MTP family the plugin windows, small enough to serve in seconds on a CPU.
@@ -100,22 +101,11 @@ def behaviour_check(python: str, spec: EngineSpec, info: dict) -> dict:
     if info.get("hook_points_refused"):
         return {"status": "not run", "why": "the hook check refused this vLLM"}
     log.info("self-check: one windowed draft on %s", SELFCHECK_MODEL.name)
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), **spec.env}
-    proc = subprocess.run(
-        [python, "-m", "wmtp.plugin.selfcheck", "--model", str(SELFCHECK_MODEL)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-        timeout=900,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("WMTP-SELFCHECK "):
-            return {"status": "passed", **json.loads(line[len("WMTP-SELFCHECK ") :])}
-    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-6:])
-    raise EngineBuildError(
-        f"engine self-check: the windowed draft did not run in {python} (exit {proc.returncode}):\n{tail}"
-    )
+    argv = ["-m", "wmtp.plugin.selfcheck", "--model", str(SELFCHECK_MODEL)]
+    found, failure = _run_marked(python, spec, argv, "WMTP-SELFCHECK ", 900)
+    if found is None:
+        raise EngineBuildError(f"engine self-check: the windowed draft did not run in {python} {failure}")
+    return {"status": "passed", **found}
 
 
 def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False) -> dict:

@@ -93,3 +93,23 @@ def test_the_cpu_budgets_keep_the_near_layout_and_no_limits():
         assert budget.copy_layout == "near"
         assert budget.phases == () and budget.mtp_phases == ()
         assert budget.target_seconds == 0 and budget.mtp_seconds == 0
+
+
+def test_fusing_experts_inverts_the_checkpoint_layout():
+    from wmtp.model.tiny import _split_fused_experts
+    from wmtp.model.train import fuse_experts
+
+    g = torch.Generator().manual_seed(0)
+    fused = {
+        "model.layers.0.mlp.experts.gate_up_proj": torch.randn(4, 2 * 8, 16, generator=g),
+        "model.layers.0.mlp.experts.down_proj": torch.randn(4, 16, 8, generator=g),
+        "model.layers.0.mlp.shared_expert.gate_proj.weight": torch.randn(8, 16, generator=g),
+        "mtp.layers.0.mlp.experts.down_proj": torch.randn(4, 16, 8, generator=g),
+        "mtp.layers.0.mlp.experts.gate_up_proj": torch.randn(4, 2 * 8, 16, generator=g),
+        "lm_head.weight": torch.randn(32, 16, generator=g),
+    }
+    split = _split_fused_experts(fused, 4)
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in split
+    back = fuse_experts(split, 4)
+    assert back.keys() == fused.keys()
+    assert all(torch.equal(back[k], fused[k]) for k in fused)

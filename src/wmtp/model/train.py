@@ -612,6 +612,39 @@ def _run_stage(params: list, total: int, seconds: float, peak: float, budget: Bu
     return done
 
 
+def fuse_experts(state: dict, num_experts: int) -> dict:
+    """The inverse of the checkpoint's per-expert layout: transformers' fused ``gate_up_proj``/``down_proj``."""
+    import torch
+
+    out = {}
+    for name, tensor in state.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep or tail.split(".")[0] in ("gate_up_proj", "down_proj"):
+            out[name] = tensor
+            continue
+        if tail.startswith("0.gate_proj"):
+            gate = [state[f"{head}.mlp.experts.{e}.gate_proj.weight"] for e in range(num_experts)]
+            up = [state[f"{head}.mlp.experts.{e}.up_proj.weight"] for e in range(num_experts)]
+            down = [state[f"{head}.mlp.experts.{e}.down_proj.weight"] for e in range(num_experts)]
+            out[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(
+                [torch.cat([g, u]) for g, u in zip(gate, up, strict=True)]
+            )
+            out[f"{head}.mlp.experts.down_proj"] = torch.stack(down)
+    return out
+
+
+def read_checkpoint(model_dir: Path, num_experts: int) -> tuple[dict, dict]:
+    """(target state, MTP head state) of a written checkpoint, in float32 and transformers' layout."""
+    import torch
+    from safetensors.torch import load_file
+
+    state = {k: v.to(torch.float32) for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    state = fuse_experts(state, num_experts)
+    target = {k: v for k, v in state.items() if not k.startswith("mtp.")}
+    head = {k[len("mtp.") :]: v for k, v in state.items() if k.startswith("mtp.")}
+    return target, head
+
+
 def train_tiny(
     out_dir: Path,
     seed: int = 0,
@@ -619,11 +652,13 @@ def train_tiny(
     shape: TinyShape | None = None,
     tokenizer_json: Path | None = None,
     stdlib: Path | None = None,
+    init: Path | None = None,
 ) -> dict:
     """Train target then MTP head; write the checkpoint into ``out_dir``; returns its manifest.
 
     ``tokenizer_json`` reuses a tokenizer (e.g. the fixture's) instead of training one; ``stdlib`` reads
-    the corpus from another standard library's root (the fixture's: CPython 3.11's).
+    the corpus from another standard library's root (the fixture's: CPython 3.11's); ``init`` continues
+    from a checkpoint of the same shape (its target and head) instead of the seed's initialisation.
     """
     import os
 
@@ -667,7 +702,10 @@ def train_tiny(
     layer_types = shape.resolved_layer_types()
     config = qwen3_next_config(shape, layer_types)
     torch.manual_seed(seed)
-    target = Qwen3NextForCausalLM(config).to(device)
+    target = Qwen3NextForCausalLM(config)
+    initial = read_checkpoint(init, shape.num_experts) if init is not None else ({}, {})
+    target.load_state_dict(initial[0] or target.state_dict())
+    target = target.to(device)
     data_gen = torch.Generator().manual_seed(seed + 10)
     eval_gen = torch.Generator().manual_seed(seed + 20)
 
@@ -761,7 +799,9 @@ def train_tiny(
 
         # Stage 2: the MTP head, target frozen.
         t0 = time.monotonic()
-        head = build_mtp_head(shape, seed + 1).to(device)
+        head = build_mtp_head(shape, seed + 1)
+        head.load_state_dict(initial[1] or head.state_dict())
+        head = head.to(device)
         head.train()
         weights = budget.draft_weights[: budget.draft_depth]
 
@@ -812,6 +852,7 @@ def train_tiny(
         "heldout_files": len(heldout_files),
         "training_tokens": len(stream),
         "log": asdict(record),
+        **({"init": {"from": str(init), "files": json.loads((init / MANIFEST).read_text())["files"]}} if init else {}),
         "threads": budget.threads,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_dispatch": dispatch,
@@ -877,6 +918,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--tokenizer", type=Path, help="reuse this tokenizer.json instead of training one")
     t.add_argument("--shape", type=json.loads, default={}, help="JSON overrides of the trained TinyShape")
     t.add_argument("--stdlib", type=Path, help="read the corpus from this standard-library root")
+    t.add_argument("--init", type=Path, help="continue from this checkpoint (same shape) instead of the seed's weights")
     i = sub.add_parser("install", help="copy the committed checkpoint into place, checking its hashes")
     i.add_argument("--out", type=Path, required=True)
     i.add_argument("--fixture", type=Path, default=FIXTURE_DIR)
@@ -892,7 +934,13 @@ def main(argv: list[str] | None = None) -> int:
     if budget.device == "cpu":
         pin_cpu_dispatch(budget.cpu_dispatch)
     manifest = train_tiny(
-        args.out, seed=args.seed, budget=budget, shape=shape, tokenizer_json=args.tokenizer, stdlib=args.stdlib
+        args.out,
+        seed=args.seed,
+        budget=budget,
+        shape=shape,
+        tokenizer_json=args.tokenizer,
+        stdlib=args.stdlib,
+        init=args.init,
     )
     log.info("model.safetensors sha256 %s", manifest["files"]["model.safetensors"])
     return 0

@@ -102,13 +102,6 @@ def test_intervals_stay_within_what_a_rate_can_be():
     assert (out["vs_full_hi"].dropna() <= 1.0).all() and (out["vs_full_lo"].dropna() >= -1.0).all()
 
 
-def test_the_lead_in_matches_the_copy_workloads():
-    from wmtp.config import COPY_LEAD_TOKENS
-    from wmtp.report import window_cost as wc
-
-    assert wc.COPY_LEAD_TOKENS == COPY_LEAD_TOKENS
-
-
 def test_display_and_figure_draw_every_windowed_draft():
     from wmtp.report.window_cost import window_cost_display, window_cost_figure, window_cost_section
 

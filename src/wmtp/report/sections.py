@@ -38,6 +38,7 @@ from wmtp.report.labels import (
     with_read_window,
 )
 from wmtp.report.load import Section, Tidy, default_replica_path, load_published, load_replica, load_tidy
+from wmtp.report.window_cost import window_cost_section
 
 NOTE_NO_POWER = "not measured: no NVML on this machine"
 NOTE_RELATIVE_POWER = (
@@ -489,6 +490,7 @@ class ReportData:
     kv_capacity: Section
     admission: Section
     reclaim_measured: Section
+    window_cost: Section
 
 
 def load_report_data(
@@ -534,4 +536,5 @@ def load_report_data(
         kv_capacity=kv_capacity_section(tidy),
         admission=admission_section(tidy),
         reclaim_measured=reclaim_measured_section(tidy),
+        window_cost=window_cost_section(tidy.requests),
     )

@@ -20,14 +20,11 @@ import pandas as pd
 
 from wmtp.analyze.analysis import WINDOWED_ARMS
 from wmtp.analyze.intervals import Interval, mean_interval, paired_difference_interval
+from wmtp.config import COPY_LEAD_TOKENS
 from wmtp.report.load import Section
 
 COPY_WORKLOAD = "copy"
 FULL_DRAFT_ARM = "mtp"
-# The copy prompt's lead-in before its passage: wmtp.config.COPY_LEAD_TOKENS, which the report may not import
-# (tests/test_window_cost.py checks that the two agree). A tidy table has no per-request distance, so the
-# distance is rung - lead-in (the chat template's few tokens before the lead-in are not counted).
-COPY_LEAD_TOKENS = 512
 
 #: One row per (arm, sink, window, rung): where the passage sat, how far that is in windows, and acceptance.
 COLUMNS: tuple[str, ...] = (

@@ -1,4 +1,4 @@
-# The GPU cost-side replica (src/wmtp/replica/replica.py) and its tidy table next to the cost model's
+# The GPU cost-side replica (src/wmtp/replica/) and its tidy table next to the cost model's
 # prediction (src/wmtp/analyze/costmodel.py). On a one-GPU CUDA box, from the repository root:
 #   snakemake --workflow-profile h200 results/replica/tidy/replica.parquet
 # Without a GPU, tidy the committed H200 numbers instead: --config replica='{"raw": "measurements/h200"}'
@@ -37,7 +37,7 @@ rule replica:
     conda:
         "../envs/replica.yaml"
     shell:
-        "{params.py} -m wmtp.replica.replica sweep --models {input:q} --contexts {params.contexts:q} --ks {params.ks:q}"
+        "{params.py} -m wmtp.replica sweep --models {input:q} --contexts {params.contexts:q} --ks {params.ks:q}"
         " --sink {params.sink:q} --window {params.window:q} --reps {params.reps:q} --out {params.out:q} > {log:q} 2>&1"
 
 
@@ -58,5 +58,5 @@ rule replica_tidy:
     conda:
         "../envs/pipeline.yaml"
     shell:
-        "{params.py} -m wmtp.replica.replica tidy --raw {params.raw:q} --models-dir config/models {params.bandwidth:q}"
+        "{params.py} -m wmtp.replica tidy --raw {params.raw:q} --models-dir config/models {params.bandwidth:q}"
         " --out {output:q} > {log:q} 2>&1"

@@ -9,9 +9,10 @@ from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
 from wmtp import layout
-from wmtp.config import ConfigError, resolved_study_json, study_from_dict
+from wmtp.config import WINDOWED_ARMS, ConfigError, resolved_study_json, study_from_dict
 from wmtp.model.hub import DOWNLOAD_MANIFEST
 from wmtp.measure.identity import cell_identity, cell_study, identity_hash
+from wmtp.engines.build import CHECKS_VERSION as ENGINE_CHECKS_VERSION
 from wmtp.engines.build import engine_python, spec_hash
 
 
@@ -64,6 +65,10 @@ def cell_identity_hash(cell_id):
 
 def cell_study_json(cell_id):
     return json.dumps(cell_study(STUDY, CELLS[cell_id]), sort_keys=True)
+
+
+def engine_runs_windowed(engine_name):
+    return any(c.engine == engine_name and c.arm in WINDOWED_ARMS for c in CELLS.values())
 
 
 def engine_hash(engine_name):

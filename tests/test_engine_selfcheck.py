@@ -63,3 +63,24 @@ def test_a_behaviour_check_that_prints_no_result_fails_the_build(tmp_path):
     python.chmod(0o755)
     with pytest.raises(EngineBuildError, match=r"(?s)did not run .*exit 3.*the engine crashed"):
         behaviour_check(str(python), _spec(device="cpu"), {})
+
+
+def _fake_engine(tmp_path, probe: dict):
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nif [ \"$1\" = -c ]; then echo 'WMTP-PROBE {json.dumps(probe)}'; fi\n")
+    python.chmod(0o755)
+    return EngineSpec(name="old", kind="vllm", device="cuda", source="python", python=str(python))
+
+
+def test_a_hook_check_that_fails_fails_the_build_only_where_the_study_windows(tmp_path):
+    from wmtp.engines.build import CHECKS_VERSION, build_engine
+
+    spec = _fake_engine(tmp_path, {"vllm": "0.24.0", "hook_points_refused": "vLLM 0.24.0: fields ['_seq_lens_cpu']"})
+    manifest = build_engine(spec, tmp_path / "plain")
+    assert manifest["versions"]["hook_points_refused"].startswith("vLLM 0.24.0")
+    assert manifest["checks_version"] == CHECKS_VERSION
+    with pytest.raises(EngineBuildError, match=r"runs windowed arms on it, but vLLM 0\.24\.0"):
+        build_engine(spec, tmp_path / "windowed", windowed=True)
+    # an engine built for none/mtp is checked again when the study adds a windowed arm
+    with pytest.raises(EngineBuildError, match="runs windowed arms"):
+        build_engine(spec, tmp_path / "plain", windowed=True)

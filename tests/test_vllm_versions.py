@@ -240,6 +240,10 @@ def test_an_engine_that_failed_the_hook_check_serves_no_windowed_arm():
         with pytest.raises(WindowUnsupported, match=r"engine 'vllm-old' cannot serve arm .*_seq_lens_cpu"):
             check_cell(_Spec(), manifest, _Cell(arm))
     check_cell(_Spec(), {"versions": {"hook_points": {}}}, _Cell("wmtp"))
+    # a manifest written before the ring's points were checked proves nothing about them
+    with pytest.raises(WindowUnsupported, match="never checked the ring's hook points"):
+        check_cell(_Spec(), {"versions": {"hook_points": {}}}, _Cell("wmtp-ring"))
+    check_cell(_Spec(), {"versions": {"hook_points": {"ring": "ok"}}}, _Cell("wmtp-ring"))
 
 
 @pytest.mark.engine

@@ -52,7 +52,8 @@ def cmd_engine_build(args: argparse.Namespace) -> int:
 
     # The engine rule passes the spec alone, so that no other change to the study rebuilds it.
     spec = EngineSpec.model_validate_json(args.engine_json) if args.engine_json else _study(args).engine(args.engine)
-    build_engine(spec, Path(args.out).parent if args.out.endswith(".json") else Path(args.out), force=args.force)
+    out = Path(args.out).parent if args.out.endswith(".json") else Path(args.out)
+    build_engine(spec, out, force=args.force, windowed=args.windowed)
     return 0
 
 
@@ -161,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", required=True)
     p.add_argument("--engine-json", help="the engine's spec as one JSON object, instead of the study's entry")
     p.add_argument("--out", required=True, help="the engine's manifest.json (its folder holds the venv)")
+    p.add_argument(
+        "--windowed", action="store_true", help="the study runs wmtp or wmtp-ring here: a failed hook check fails"
+    )
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_engine_build)
 

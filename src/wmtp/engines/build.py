@@ -108,8 +108,17 @@ def behaviour_check(python: str, spec: EngineSpec, info: dict) -> dict:
     return {"status": "passed", **found}
 
 
-def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False) -> dict:
-    """Make the engine environment usable and return its manifest (also written to engine_dir)."""
+# What the self-checks cover: a manifest written by older checks is re-checked (no reinstall), and the
+# engine rule passes it as a parameter, so a newer check reruns the rule.
+CHECKS_VERSION = 3
+
+
+def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False, windowed: bool = False) -> dict:
+    """Make the engine environment usable and return its manifest (also written to engine_dir).
+
+    ``windowed``: the study runs ``wmtp`` or ``wmtp-ring`` on this engine, so a vLLM that fails the hook check
+    fails the build; otherwise it is recorded and the engine serves ``none`` and ``mtp``.
+    """
     engine_dir = engine_dir.resolve()
     engine_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = engine_dir / MANIFEST
@@ -117,8 +126,9 @@ def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False) -> dic
     python = engine_python(spec, engine_dir)
     if manifest_path.exists() and not force:
         old = json.loads(manifest_path.read_text())
-        # A manifest from before the behavioural check falls through to the self-checks (no reinstall).
-        if old.get("spec_hash") == want and Path(python).exists() and "behaviour_check" in old:
+        current = old.get("checks_version") == CHECKS_VERSION
+        refused = (old.get("versions") or {}).get("hook_points_refused")
+        if old.get("spec_hash") == want and Path(python).exists() and current and not (windowed and refused):
             log.info("engine %s is up to date (%s)", spec.name, engine_dir)
             return old
     if spec.source == "container":  # nothing to install: record the image digest and self-check inside it
@@ -168,6 +178,11 @@ def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False) -> dic
         freeze = subprocess.run([python, "-m", "pip", "freeze"], capture_output=True, text=True, check=False)
     log.info("self-check: importing %s and checking the hook points", spec.kind)
     info = probe(python, spec)
+    if windowed and info.get("hook_points_refused"):
+        raise EngineBuildError(
+            f"engine {spec.name}: the study runs windowed arms on it, but {info['hook_points_refused']} "
+            "(docs/vllm-versions.md lists the vLLM versions that pass)"
+        )
     behaviour = behaviour_check(python, spec, info)
     manifest = {
         "engine": spec.name,
@@ -178,6 +193,7 @@ def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False) -> dic
         "python": python,
         "versions": info,
         "behaviour_check": behaviour,
+        "checks_version": CHECKS_VERSION,
         "packages": sorted(freeze.stdout.split()),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "build_seconds": round(time.time() - started, 1),

@@ -123,8 +123,11 @@ def check_cell(spec: Any, engine_manifest: Mapping[str, Any], cell: Any) -> None
     """
     versions = engine_manifest.get("versions") or {}
     refused = versions.get("hook_points_refused")
+    found = versions.get("hook_points") or {}
     if cell.arm == "wmtp-ring" and not refused:
-        refused = (versions.get("hook_points") or {}).get("ring_refused")
+        refused = found.get("ring_refused")
+        if not refused and found.get("ring") != "ok":
+            refused = "its build never checked the ring's hook points (rebuild it: snakemake --forcerun engine)"
     if refused and cell.arm in ("wmtp", "wmtp-ring"):
         raise WindowUnsupported(
             f"engine {spec.name!r} cannot serve arm {cell.arm!r}: {refused} (docs/vllm-versions.md lists the "

@@ -8,7 +8,8 @@ installed vLLM. Each version is then:
 
 - ``tested``: an engine of this version runs the test suite (the CPU build the embedded study uses);
 - ``checked``: its source passes the build's check, but no test ran it;
-- ``refused``: the check fails, and the plugin or the build refuses it, for the reason given.
+- ``refused``: the check fails, for the reason given: no windowed arm runs on it (the build of an engine that
+  the study windows fails; other engines serve ``none`` and ``mtp``).
 
 ``python -m wmtp.engines.vllm_versions`` rewrites ``docs/vllm-versions.md`` and the README's copy of the table.
 """

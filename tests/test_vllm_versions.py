@@ -173,46 +173,65 @@ def test_the_readme_shows_the_committed_table():
 
 RING_SOURCES = {
     "kv_cache_interface.py": (
-        "def replace_as(spec, cls):\n    pass\n"
+        "def replace_as(spec, target_cls, *, drop=(), **changes):\n    pass\n"
         "class KVCacheSpec:\n"
-        "    def max_memory_usage_bytes(self, c):\n        pass\n"
+        "    def max_memory_usage_bytes(self, vllm_config):\n        pass\n"
         "    def is_uniform_with_collection(self, s):\n        pass\n"
         "    @property\n    def prefix_cacheable(self):\n        return True\n"
         "class AttentionSpec(KVCacheSpec):\n    pass\n"
         "class FullAttentionSpec(AttentionSpec):\n    pass\n"
     ),
     "core/single_type_kv_cache_manager.py": (
-        "class SingleTypeKVCacheManager:\n"
+        "class BaseManager:\n"
+        "    def _remove_blocks_in_range(self, request_id, first, last):\n        pass\n"
+        "class SingleTypeKVCacheManager(BaseManager):\n"
+        "    def __init__(self, spec, max_admission_blocks_per_request=None):\n"
+        "        self.max_admission_blocks_per_request = max_admission_blocks_per_request\n"
         "    @classmethod\n    def find_longest_cache_hit(cls):\n        pass\n"
-        "    def remove_skipped_blocks(self):\n        pass\n"
-        "    def _remove_blocks_in_range(self):\n        pass\n"
+        "    def remove_skipped_blocks(self, request_id, processed_computed_tokens, num_prompt_tokens=None):\n"
+        "        pass\n"
     ),
-    "kv_cache_spec_registry.py": "class KVCacheSpecRegistry:\n    @classmethod\n    def register(cls):\n        pass\n",
+    "kv_cache_spec_registry.py": (
+        "class KVCacheSpecRegistry:\n"
+        "    @classmethod\n    def register(cls):\n        pass\n"
+        "    @classmethod\n    def _ensure_registered(cls, vllm_config=None):\n        pass\n"
+    ),
     "worker/gpu_model_runner.py": "class GPUModelRunner:\n    def get_kv_cache_spec(self):\n        pass\n",
 }
+PROPOSER_WITH_LAYERS = FAKE_PROPOSER + "\n    def load_model(self):\n        self._draft_attn_layer_names = set()\n"
 
 
-def _ring_tree(root: Path, skip: str = "") -> Path:
+def _ring_tree(root: Path, replace: tuple[str, str] = ("", ""), proposer: str = PROPOSER_WITH_LAYERS) -> Path:
     vllm = root / "vllm"
     for name, text in RING_SOURCES.items():
         path = vllm / "v1" / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text.replace(f"def {skip}(", "def renamed(") if skip else text)
+        path.write_text(text.replace(*replace) if replace[0] else text)
     (vllm / "utils").mkdir(parents=True, exist_ok=True)
     (vllm / "utils" / "math_utils.py").write_text("def cdiv(a, b):\n    return -(-a // b)\n")
-    proposer = vllm / "v1" / "spec_decode" / "llm_base_proposer.py"
-    proposer.parent.mkdir(parents=True, exist_ok=True)
-    proposer.write_text(FAKE_PROPOSER + "\n# self._draft_attn_layer_names = {}\n")
+    path = vllm / "v1" / "spec_decode" / "llm_base_proposer.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(proposer)
     return vllm
 
 
 def test_the_rings_hook_points_are_checked_one_by_one(tmp_path):
+    # _remove_blocks_in_range comes from a base class in the same module: that counts
     assert ring_points(_ring_tree(tmp_path / "all"), "9.9.9") == {"ring": "ok"}
-    gone = ring_points(_ring_tree(tmp_path / "gone", skip="remove_skipped_blocks"), "9.9.9")
+    gone = ring_points(_ring_tree(tmp_path / "gone", ("def remove_skipped_blocks(", "def drop_blocks(")), "9.9.9")
     assert gone == {
         "ring_refused": "vLLM 9.9.9 lacks vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager."
-        "remove_skipped_blocks, which arm wmtp-ring replaces or reads"
+        "remove_skipped_blocks (the method), which arm wmtp-ring relies on"
     }
+    renamed = ring_points(_ring_tree(tmp_path / "params", ("*, drop=()", "*, without=()")), "9.9.9")
+    assert "vllm.v1.kv_cache_interface.replace_as (parameters ['drop'])" in renamed["ring_refused"]
+    uncapped = _ring_tree(tmp_path / "cap", ("self.max_admission_blocks_per_request =", "cap ="))
+    assert (
+        "SingleTypeKVCacheManager: self.max_admission_blocks_per_request" in ring_points(uncapped, "9")["ring_refused"]
+    )
+    # a name in a comment is not an attribute the proposer sets
+    commented = _ring_tree(tmp_path / "comment", proposer=FAKE_PROPOSER + "\n# self._draft_attn_layer_names = {}\n")
+    assert "SpecDecodeBaseProposer: self._draft_attn_layer_names" in ring_points(commented, "9")["ring_refused"]
 
 
 def test_an_engine_without_the_rings_hook_points_refuses_only_the_ring():

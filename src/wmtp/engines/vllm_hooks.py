@@ -88,13 +88,60 @@ def _plugin_entry_points() -> list[str]:
     return sorted(ep.value for ep in md.entry_points(group="vllm.general_plugins") if ep.name == "wmtp")
 
 
-def _defines(tree: ast.Module, cls: str | None, member: str | None) -> bool:
-    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+def _class_chain(classes: dict[str, ast.ClassDef], name: str) -> list[ast.ClassDef]:
+    """A class and the base classes it names that are defined in the same module, nearest first."""
+    chain, todo = [], [name]
+    while todo:
+        node = classes.get(todo.pop(0))
+        if node is not None and node not in chain:
+            chain.append(node)
+            todo.extend(base.id for base in node.bases if isinstance(base, ast.Name))
+    return chain
+
+
+def _params(func: ast.FunctionDef) -> set[str]:
+    return {a.arg for a in (*func.args.posonlyargs, *func.args.args, *func.args.kwonlyargs)}
+
+
+def _ring_point_missing(tree: ast.Module, cls: str | None, member: str | None, params: tuple[str, ...]) -> str:
+    """'' when the point is there; else what is missing of it."""
     if cls is None:
-        return any(isinstance(n, ast.FunctionDef) and n.name == member for n in tree.body)
-    if cls not in classes:
-        return False
-    return member is None or any(isinstance(n, ast.FunctionDef) and n.name == member for n in ast.walk(classes[cls]))
+        found = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == member]
+    else:
+        classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+        if cls not in classes:
+            return "the class"
+        if member is None:
+            return ""
+        found = [
+            n for c in _class_chain(classes, cls) for n in c.body if isinstance(n, ast.FunctionDef) and n.name == member
+        ]
+    if not found:
+        return "the method" if cls else "the function"
+    absent = [p for p in params if p not in _params(found[0])]
+    return f"parameters {absent}" if absent else ""
+
+
+def _assigns_self(tree: ast.Module, cls: str, attribute: str) -> bool:
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    for node in (n for c in _class_chain(classes, cls) for n in ast.walk(c)):
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        for target in targets:
+            if (
+                isinstance(target, ast.Attribute)
+                and target.attr == attribute
+                and isinstance(target.value, ast.Name)
+                and target.value.id == "self"
+            ):
+                return True
+    return False
+
+
+def _tree(root: Path, module: str) -> ast.Module | None:
+    path = root.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path)) if path.exists() else None
 
 
 def ring_points(root: Path, version: str) -> dict:
@@ -104,16 +151,17 @@ def ring_points(root: Path, version: str) -> dict:
     refused, before its server starts.
     """
     missing = []
-    for module, cls, member in hp.RING_POINTS:
-        path = root.joinpath(*module.split(".")[1:]).with_suffix(".py")
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path)) if path.exists() else None
-        if tree is None or not _defines(tree, cls, member):
-            missing.append(".".join(part for part in (module, cls, member) if part))
-    proposer = root.joinpath(*hp.PROPOSER_MODULE.split(".")[1:]).with_suffix(".py")
-    if hp.RING_PROPOSER_ATTR not in proposer.read_text(encoding="utf-8"):
-        missing.append(f"{hp.PROPOSER_MODULE}.{hp.PROPOSER_CLASS}.{hp.RING_PROPOSER_ATTR}")
+    for module, cls, member, params in hp.RING_POINTS:
+        tree = _tree(root, module)
+        gap = "the module" if tree is None else _ring_point_missing(tree, cls, member, params)
+        if gap:
+            missing.append(".".join(part for part in (module, cls, member) if part) + f" ({gap})")
+    for module, cls, attribute in hp.RING_ATTRIBUTES:
+        tree = _tree(root, module)
+        if tree is None or not _assigns_self(tree, cls, attribute):
+            missing.append(f"{module}.{cls}: self.{attribute}")
     if missing:
-        return {"ring_refused": f"vLLM {version} lacks {', '.join(missing)}, which arm wmtp-ring replaces or reads"}
+        return {"ring_refused": f"vLLM {version} lacks {', '.join(missing)}, which arm wmtp-ring relies on"}
     return {"ring": "ok"}
 
 

@@ -65,7 +65,7 @@ def wanted_member(name: str) -> bool:
     """The wheel members the hook check reads: the proposer's package, the metadata module, envs, the V2 runner."""
     proposer_package = _module_file(hp.PROPOSER_MODULE).rsplit("/", 1)[0] + "/"
     exact = {_module_file(hp.METADATA_MODULE), _module_file(hp.V2_RUNNER_MODULE), "vllm/envs.py", "vllm/_version.py"}
-    exact |= {_module_file(module) for module, _, _ in hp.RING_POINTS}
+    exact |= {_module_file(point[0]) for point in (*hp.RING_POINTS, *hp.RING_ATTRIBUTES)}
     return name in exact or (name.startswith(proposer_package) and name.endswith(".py") and name.count("/") == 3)
 
 

@@ -9,11 +9,12 @@ rule admission:
     output:
         layout.admission_file(RESULTS, "{model}", "{engine}"),
     log:
-        LOGS / "admission" / "{model}~{engine}.log",
+        pipeline=LOGS / "admission" / "{model}~{engine}.log",
+        engine=LOGS / "admission" / "{model}~{engine}.engine.log",
     params:
         py=PY,
         # Everything the proof depends on besides the engine's build and the model's files: a change reruns it.
-        engine=lambda wc: json.dumps(STUDY.engine(wc.engine).model_dump(mode="json"), sort_keys=True),
+        engine_env=lambda wc: json.dumps(STUDY.engine(wc.engine).env, sort_keys=True),
         model_dir=lambda wc: STUDY.model_dir(wc.model),
         proof=lambda wc: admission_settings(wc.model, wc.engine),
     resources:
@@ -21,6 +22,6 @@ rule admission:
     conda:
         "../envs/pipeline.yaml"
     shell:
-        "{params.py} -m wmtp --log {log:q} admission --model {wildcards.model:q} --engine-json {params.engine:q} "
-        "--engine-manifest {input.engine:q} --model-dir {params.model_dir:q} --proof {params.proof:q} "
-        "--out {output:q}"
+        "{params.py} -m wmtp --log {log.pipeline:q} admission --model {wildcards.model:q} "
+        "--engine-env {params.engine_env:q} --engine-manifest {input.engine:q} --model-dir {params.model_dir:q} "
+        "--proof {params.proof:q} --out {output:q} --engine-log {log.engine:q}"

@@ -15,6 +15,7 @@ rule collect:
     localrule: True
     conda:
         "../envs/pipeline.yaml"
+    # --admission last: its files (none, in a study without wmtp-ring) end the argument list.
     shell:
         "{params.py} -m wmtp --log {log:q} collect --out {params.out:q} {input.manifests:q} "
         "--admission {input.admission:q}"

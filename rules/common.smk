@@ -116,9 +116,21 @@ def cell_manifests():
     return [cell_dir(cell_id) / layout.MANIFEST_FILE for cell_id in CELLS]
 
 
+# The proof's request length (or the model's max_model_len, if shorter). At the embedded model's 16,640 the CPU
+# build's speculative GDN path failed on the proof's mixed batch (prefill beside speculative decode: a tensor
+# size mismatch in vLLM's cpu gdn_attention _spec_forward); at 4,096 it runs.
+ADMISSION_MAX_LEN = 4096
+
+
 def admission_settings(model_name, engine_name):
-    cell = next(c for c in STUDY.admission_proofs() if (c.model, c.engine) == (model_name, engine_name))
-    return json.dumps({"sink": cell.sink, "window": cell.window, "k": cell.k}, sort_keys=True)
+    """The ring cell's k, S and W, and the proof's request length."""
+    proofs = {(c.model, c.engine): c for c in STUDY.admission_proofs()}
+    if (model_name, engine_name) not in proofs:
+        raise ConfigError(f"study {STUDY.study!r} asks for no admission proof of {model_name!r} on {engine_name!r}")
+    cell = proofs[(model_name, engine_name)]
+    length = min(ADMISSION_MAX_LEN, STUDY.model(model_name).max_model_len)
+    proof = {"sink": cell.sink, "window": cell.window, "k": cell.k, "max_model_len": length}
+    return json.dumps(proof, sort_keys=True)
 
 
 def admission_files():

@@ -1,5 +1,6 @@
-# The validated study as one JSON file, which every `wmtp` job reads. Rewritten when the study changes;
-# the jobs that read it take it as `ancient`, so only the cells whose identity changed rerun.
+# The validated study as one JSON file: the record of what this run is for, rewritten when the study changes.
+# Jobs get what they depend on as arguments (a cell its study narrowed to itself), never this file, so only the
+# jobs whose own inputs changed rerun.
 
 
 rule study:

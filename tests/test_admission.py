@@ -132,10 +132,26 @@ def test_the_proof_becomes_one_row_per_arm_and_a_report_table(tmp_path):
     tidy = Tidy(requests=pd.DataFrame(), rungs=pd.DataFrame(), positions=pd.DataFrame(), admission=table)
     section = admission_section(tidy)
     assert list(section.frame["most running at once"]) == [2, 3]
-    assert section.notes[0].startswith("ring admits one more: 3 requests of 4,080 prompt tokens")
+    assert section.notes[0].startswith("tiny on vllm-cpu: ring admits one more. 3 requests of 4,080 prompt tokens")
+    assert set(section.frame["engine"]) == {"vllm-cpu"}
     reclaim = reclaim_measured_section(tidy).frame.iloc[0]
     # engine: 1 − (8,257,536 / 3.5) / (8,257,536 / 2.625) = 1 − 2.625 / 3.5 = 25 %
     assert reclaim["reclaimed, engine (%)"] == 25.0 and reclaim["reclaimed, cost model (%)"] == 44.6
+
+
+def test_a_proof_that_could_not_be_sized_is_reported_not_dropped(tmp_path):
+    path = _proof_file(tmp_path)
+    found = json.loads(path.read_text())
+    found.update(arms={}, same_output=None, verdict="not sizeable: the ring saves nothing per request")
+    found.pop("predicted")
+    path.write_text(json.dumps(found))
+    table = admission_table([path])
+    assert len(table) == 1 and table["arm"].isna().all()
+    tidy = Tidy(requests=pd.DataFrame(), rungs=pd.DataFrame(), positions=pd.DataFrame(), admission=table)
+    section = admission_section(tidy)
+    assert not section.available
+    assert section.notes == ("tiny on vllm-cpu: not sizeable: the ring saves nothing per request",)
+    assert not reclaim_measured_section(tidy).available
 
 
 def test_no_proof_says_why():
@@ -149,7 +165,8 @@ def test_the_ring_serves_one_more_request_where_wmtp_queues(engine_python, tmp_p
     """In the real CPU build: wmtp's KV holds 2 requests of 4,080 prompt tokens, the ring's 3; 3 arrive at once."""
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     out = tmp_path / "proof.json"
-    found = adm.run_in_engine(engine_python, env, TRAINED_CHECKPOINT, out, sink=16, window=256, k=3)
+    found = adm.run_in_engine(engine_python, env, TRAINED_CHECKPOINT, out, sink=16, window=256, k=3, max_model_len=4096)
+    assert (tmp_path / "proof.json.log").read_text().count("wmtp: ring:") >= 1  # the engine's own output, kept
     plain, ring = found["arms"]["wmtp"], found["arms"]["wmtp-ring"]
     assert plain["kv_cache_memory_bytes"] == ring["kv_cache_memory_bytes"] == found["kv_cache_memory_bytes"]
     assert 2 <= plain["max_concurrency"] < 3 <= ring["max_concurrency"], (plain, ring)

@@ -82,18 +82,29 @@ def cmd_cell_run(args: argparse.Namespace) -> int:
 def cmd_admission(args: argparse.Namespace) -> int:
     from wmtp.measure.admission import run_in_engine
 
-    spec = EngineSpec.model_validate_json(args.engine_json)
     proof = json.loads(args.proof)
     engine_manifest = json.loads(Path(args.engine_manifest).read_text())
     model_dir, out = Path(args.model_dir), Path(args.out)
     measured = out.with_name(out.name + ".engine")
-    result = run_in_engine(
-        engine_manifest["python"], spec.env, model_dir, measured, proof["sink"], proof["window"], proof["k"]
-    )
-    result["predicted"] = predicted_reclaim(model_dir / "config.json", result, args.model)
+    engine_log = Path(args.engine_log) if args.engine_log else out.with_name(out.name + ".log")
+    try:
+        result = run_in_engine(
+            engine_manifest["python"],
+            json.loads(args.engine_env),
+            model_dir,
+            measured,
+            proof["sink"],
+            proof["window"],
+            proof["k"],
+            max_model_len=proof["max_model_len"],
+            log_file=engine_log,
+        )
+        if result["arms"]:
+            result["predicted"] = predicted_reclaim(model_dir / "config.json", result, args.model)
+    finally:
+        measured.unlink(missing_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    measured.unlink()
-    logging.getLogger("wmtp").info("admission %s on %s: %s", args.model, spec.name, result["verdict"])
+    logging.getLogger("wmtp").info("admission %s: %s (engine output: %s)", args.model, result["verdict"], engine_log)
     return 0
 
 
@@ -185,10 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("admission", help="the ring's admission proof for one model on one engine")
     p.add_argument("--model", required=True, help="the model's name")
     p.add_argument("--model-dir", required=True)
-    p.add_argument("--engine-json", required=True, help="the engine's spec as one JSON object")
+    p.add_argument("--engine-env", default="{}", help="the engine's environment variables as one JSON object")
     p.add_argument("--engine-manifest", required=True)
-    p.add_argument("--proof", required=True, help='{"sink": S, "window": W, "k": K} of the ring cell')
+    p.add_argument(
+        "--proof", required=True, help='{"sink": S, "window": W, "k": K, "max_model_len": L} of the ring cell'
+    )
     p.add_argument("--out", required=True)
+    p.add_argument("--engine-log", help="where the engine's own output goes (default: beside --out)")
     p.set_defaults(func=cmd_admission)
 
     p = sub.add_parser("collect", help="raw cells → tidy parquet tables")

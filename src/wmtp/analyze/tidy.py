@@ -278,6 +278,13 @@ def admission_table(files: list[Path]) -> pd.DataFrame:
         found = json.loads(path.read_text())
         model, _, engine = path.stem.partition("~")
         shared = {key: found[key] for key in ("sink", "window", "k", "max_model_len", "prompt_tokens")}
+        if not found["arms"]:  # not sizeable: one row that carries the verdict
+            rows.append(
+                {
+                    column: {"model": model, "engine": engine, **shared, **found}.get(column)
+                    for column in ADMISSION_COLUMNS
+                }
+            )
         for arm, measured in found["arms"].items():
             row = {"model": model, "engine": engine, "arm": arm, **shared, **measured}
             predicted = found.get("predicted") or {}

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,7 +58,8 @@ def summarize_steps(steps: Sequence[dict[str, float]], requests: int) -> dict[st
         "requests": requests,
         "steps": len(steps),
         "max_running": peak,
-        # Steps at which a request had arrived but was not running: queued for want of KV blocks.
+        # Steps at which a request had arrived but was not running: for KV blocks, or for the step's token budget
+        # (a long prefill fills it), so this alone proves nothing; peak running and preemptions do.
         "steps_with_waiting": sum(1 for s in steps if s["waiting"] > 0),
         "preemptions": preemptions,
         "all_at_once": peak == requests and preemptions == 0,
@@ -171,11 +171,7 @@ def run(model: Path, args: argparse.Namespace) -> dict[str, Any]:
         per_request[arm] = found["kv_cache_memory_bytes"] / found["max_concurrency"]
         del llm
         _release()
-    kv_bytes = kv_bytes_for(args.n, per_request["wmtp"], per_request["wmtp-ring"])
-    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
-    rng = random.Random(0)
     length = args.max_model_len - args.tokens
-    prompts = [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(args.n + 1)]
     out: dict[str, Any] = {
         "n": args.n,
         "sink": args.sink,
@@ -184,9 +180,18 @@ def run(model: Path, args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": args.max_model_len,
         "prompt_tokens": length,
         "output_tokens": args.tokens,
-        "kv_cache_memory_bytes": kv_bytes,
+        "chunk": args.chunk,
         "arms": {},
+        "same_output": None,
     }
+    try:
+        kv_bytes = kv_bytes_for(args.n, per_request["wmtp"], per_request["wmtp-ring"])
+    except AdmissionUnsized as err:  # a result, not a failure: the report says so
+        return {**out, "kv_cache_memory_bytes": None, "verdict": f"not sizeable: {err}"}
+    out["kv_cache_memory_bytes"] = kv_bytes
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(args.n + 1)]
     outputs = {}
     for arm, ring in (("wmtp", False), ("wmtp-ring", True)):
         started = time.monotonic()
@@ -207,18 +212,32 @@ def run(model: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_in_engine(
-    python: str, engine_env: dict[str, str], model_dir: Path, out: Path, sink: int, window: int, k: int
+    python: str,
+    engine_env: dict[str, str],
+    model_dir: Path,
+    out: Path,
+    sink: int,
+    window: int,
+    k: int,
+    max_model_len: int = 4096,
+    log_file: Path | None = None,
 ) -> dict[str, Any]:
-    """Run the proof in an engine's interpreter (its own environment variables set) and read its result."""
+    """Run the proof in an engine's interpreter (its own environment variables set) and read its result; the
+    engine's output goes to ``log_file`` (default: beside ``out``)."""
     import subprocess
 
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"), **engine_env}
     argv = [python, "-m", "wmtp.measure.admission", "--model", str(model_dir), "--out", str(out)]
-    argv += ["--sink", str(sink), "--window", str(window), "--k", str(k)]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=False, timeout=1800)
+    argv += ["--sink", str(sink), "--window", str(window), "--k", str(k), "--max-model-len", str(max_model_len)]
+    log_file = log_file or out.with_name(out.name + ".log")
+    with log_file.open("w") as engine_log:
+        try:
+            proc = subprocess.run(argv, stdout=engine_log, stderr=subprocess.STDOUT, env=env, check=False, timeout=1800)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"admission proof in {python} ran past 30 minutes; its output: {log_file}") from None
     if proc.returncode != 0 or not out.exists():
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
-        raise RuntimeError(f"admission proof failed in {python} (exit {proc.returncode}):\n{tail}")
+        tail = "\n".join(log_file.read_text(errors="replace").strip().splitlines()[-8:])
+        raise RuntimeError(f"admission proof failed in {python} (exit {proc.returncode}); {log_file} ends:\n{tail}")
     return json.loads(out.read_text())
 
 
@@ -235,11 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=1024, help="prefill chunk (max_num_batched_tokens)")
     parser.add_argument("--probe-bytes", type=int, default=256 << 20, help="KV memory of the sizing engines")
     args = parser.parse_args(argv)
-    try:
-        result = run(args.model, args)
-    except AdmissionUnsized as err:
-        print(f"admission: {err}", file=sys.stderr)
-        return 2
+    result = run(args.model, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=2))

@@ -373,46 +373,55 @@ def kv_capacity_section(tidy: Tidy) -> Section:
 
 
 def admission_section(tidy: Tidy) -> Section:
-    """The ring's admission proof: each arm's KV budget, what the engine counted, and what ran at once."""
+    """The ring's admission proofs: each arm's KV budget, what the engine counted, and what ran at once; one note
+    per proof with its verdict."""
     a = tidy.admission
     if a.empty:
         return Section(notes=("no admission proof: the study has no wmtp-ring cell on a vLLM CPU engine",))
-    rows = []
-    for r in a.to_dict("records"):
-        rows.append(
-            {
-                "model": r["model"],
-                "arm": f"{r['arm']} S={r['sink']} W={r['window']}",
-                "KV memory (MiB)": round(r["kv_cache_memory_bytes"] / 2**20, 2),
-                "KV blocks": r["num_blocks"],
-                f"max concurrency at {r['max_model_len']:,} (engine)": round(r["max_concurrency"], 2),
-                "requests sent at once": r["requests"],
-                "most running at once": r["max_running"],
-                "steps with one waiting": r["steps_with_waiting"],
-                "preemptions": r["preemptions"],
-                "pages per request by KV group (engine)": r.get("pages_by_group") or "",
-            }
+    rows, notes = [], []
+    for (model, engine), proof in a.groupby(["model", "engine"], sort=True):
+        first = proof.iloc[0]
+        measured = proof[proof["arm"].notna()]
+        for r in measured.to_dict("records"):
+            rows.append(
+                {
+                    "model": model,
+                    "engine": engine,
+                    "arm": f"{r['arm']} S={r['sink']} W={r['window']}",
+                    "KV memory (MiB)": round(r["kv_cache_memory_bytes"] / 2**20, 2),
+                    "KV blocks": r["num_blocks"],
+                    f"max concurrency at {r['max_model_len']:,} (engine)": round(r["max_concurrency"], 2),
+                    "requests sent at once": r["requests"],
+                    "most running at once": r["max_running"],
+                    "preemptions": r["preemptions"],
+                    "steps with one waiting": r["steps_with_waiting"],
+                    "pages per request by KV group (engine)": r.get("pages_by_group") or "",
+                }
+            )
+        if measured.empty:
+            notes.append(f"{model} on {engine}: {first['verdict']}")
+            continue
+        notes.append(
+            f"{model} on {engine}: {first['verdict']}. {int(first['requests'])} requests of "
+            f"{int(first['prompt_tokens']):,} prompt tokens arrive at once in the same KV memory; what decides is "
+            "the most running at once and the preemptions, as the engine counted them after every step (a request "
+            "also waits while another's long prefill fills a step). Output identical between the arms: "
+            f"{bool(first['same_output'])}."
         )
-    first = a.iloc[0]
-    notes = (
-        f"{first['verdict']}: {int(first['requests'])} requests of {int(first['prompt_tokens']):,} prompt tokens "
-        f"arrive at once in the same KV memory; the engine's own counters (requests running and waiting, "
-        f"preemptions) after every step. Output identical between the arms: {bool(first['same_output'])}.",
-    )
-    return Section(pd.DataFrame(rows), notes)
+    return Section(pd.DataFrame(rows), tuple(notes))
 
 
 def reclaim_measured_section(tidy: Tidy) -> Section:
     """The share of a request's KV the ring gives back, measured by the engine vs the cost model's bytes.
 
     Measured twice: in the admission proof (bytes per request from the engine's own concurrency at its length)
-    and in this study's cells (the same KV memory for every cell, so the share is 1 − wmtp's max concurrency /
-    the ring's at max_model_len).
+    and in this study's cells, where the CPU build gives every cell the same KV memory, so the share is
+    1 − wmtp's max concurrency / the ring's at max_model_len (on a GPU the memory left for KV differs per cell).
     """
     rows = []
     a = tidy.admission
     for (model, engine), group in a.groupby(["model", "engine"]) if not a.empty else []:
-        by_arm = group.set_index("arm")
+        by_arm = group[group["arm"].notna()].set_index("arm")
         if not {"wmtp", "wmtp-ring"} <= set(by_arm.index):
             continue
         measured = 1 - by_arm.loc["wmtp-ring", "bytes_per_request"] / by_arm.loc["wmtp", "bytes_per_request"]
@@ -430,9 +439,9 @@ def reclaim_measured_section(tidy: Tidy) -> Section:
         cells = r.drop_duplicates("cell_id")
         for (model, engine), group in cells.groupby(["model", "engine"]):
             plain, ring = group[group["arm"] == "wmtp"], group[group["arm"] == "wmtp-ring"]
-            for _, ring_cell in ring.iterrows():
+            for _, ring_cell in ring.drop_duplicates(["sink", "window"]).iterrows():
                 same = plain[(plain["sink"] == ring_cell["sink"]) & (plain["window"] == ring_cell["window"])]
-                if same.empty or pd.isna(ring_cell["max_concurrency"]):
+                if same.empty or pd.isna(ring_cell["max_concurrency"]) or pd.isna(same["max_concurrency"].iloc[0]):
                     continue
                 share = 1 - float(same["max_concurrency"].iloc[0]) / float(ring_cell["max_concurrency"])
                 rows.append(

@@ -151,7 +151,8 @@ def test_raw_files_and_manifest(pipeline):
         assert manifest["server_env"]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
         if "arm~wmtp" in cell:
             reads = manifest["wmtp_plugin"]
-            assert reads["windowed_forwards"] > 0 and reads["sink_tokens"] % reads["block_size"] == 0
+            # the plugin in the cell's server windowed its drafts and skipped blocks at the longer rungs
+            assert reads["windowed_forwards"] > 0 and reads["blocks_skipped"] > 0
         requests = pd.read_parquet(cell_dir / "requests.parquet")
         measured = requests[~requests["warmup"]]
         assert sorted(measured["rung"].unique()) == RUNGS

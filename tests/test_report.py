@@ -125,8 +125,8 @@ def test_a_label_says_what_the_windowed_draft_read():
     reads = {"kv_block_size": 256, "read_sink_tokens": 256, "read_window_min": 128, "read_window_max": 383}
     row = {"arm": "wmtp", "k": 3, "sink": 16, "window": 128, **reads}
     assert labels.series_label(row) == "wmtp k=3 S=16 W=128 (block 256: reads S=256 W=128–383)"
-    exact = {**row, "read_sink_tokens": 16, "read_window_min": 128, "read_window_max": 128}
-    assert labels.series_label(exact) == "wmtp k=3 S=16 W=128"
+    unreported = {"arm": "wmtp", "k": 3, "sink": 16, "window": 128}
+    assert labels.series_label(unreported) == "wmtp k=3 S=16 W=128"
 
 
 def test_labels_take_the_read_window_from_the_rung_table():
@@ -143,6 +143,8 @@ def test_labels_take_the_read_window_from_the_rung_table():
         ]
     )
     labelled = labels.add_labels(derived, rungs).set_index("arm")
+    # without the engine the series is not known for sure: no read window rather than another engine's
+    assert "block" not in labels.add_labels(derived.drop(columns="engine"), rungs).set_index("arm").loc["wmtp", "label"]
     assert labelled.loc["mtp", "label"] == "mtp k=3"
     assert labelled.loc["wmtp", "label"] == "wmtp k=3 S=16 W=256 (block 128: reads S=128 W=256–383)"
 

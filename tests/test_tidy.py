@@ -126,7 +126,7 @@ def test_the_window_the_draft_read_reaches_the_tables(tmp_path):
     for name in ("requests", "rungs"):
         row = tables[name].iloc[0]
         assert (row["kv_block_size"], row["read_sink_tokens"]) == (256, 256), name
-        assert (row["read_window_min"], row["read_window_max"], row["windowed_forwards"]) == (128, 383, 42), name
+        assert (row["read_window_min"], row["read_window_max"], row["cell_windowed_forwards"]) == (128, 383, 42), name
 
 
 def test_cells_without_a_window_read_nothing_special(tmp_path):

@@ -45,14 +45,18 @@ class _RangeServer(http.server.BaseHTTPRequestHandler):
     body = b""
     sent = 0
 
+    ranges = True
+
     def do_GET(self) -> None:
         start, end = 0, len(self.body) - 1
-        wanted = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+        wanted = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", "")) if self.ranges else None
         if wanted:
             start, end = int(wanted.group(1)), min(int(wanted.group(2)), end)
         chunk = self.body[start : end + 1]
         self.send_response(206 if wanted else 200)
         self.send_header("Content-Length", str(len(chunk)))
+        if wanted:
+            self.send_header("Content-Range", f"bytes {start}-{end}/{len(self.body)}")
         self.end_headers()
         self.wfile.write(chunk)
         type(self).sent += len(chunk)
@@ -65,8 +69,8 @@ class _RangeServer(http.server.BaseHTTPRequestHandler):
 def wheel_server():
     servers = []
 
-    def serve(body: bytes) -> str:
-        handler = type("Handler", (_RangeServer,), {"body": body, "sent": 0})
+    def serve(body: bytes, ranges: bool = True) -> str:
+        handler = type("Handler", (_RangeServer,), {"body": body, "sent": 0, "ranges": ranges})
         server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
@@ -83,7 +87,7 @@ def _check_served(serve, tmp_path: Path, body: bytes) -> tuple[dict, type]:
 
     url, handler = serve(body)
     with httpx.Client() as client:
-        remote = vv.RangeFile(url, len(body), client.get)
+        remote = vv.RangeFile(url, len(body), client.stream)
         root = vv.unpack_sources(zipfile.ZipFile(io.BufferedReader(remote, buffer_size=1 << 16)), tmp_path)
     return vv.check_sources(root, "9.9.9"), handler
 
@@ -103,6 +107,18 @@ def test_a_served_wheel_is_checked_from_a_few_members(wheel_server, tmp_path):
     assert handler.sent < len(body) / 4  # the 1 MB library was never fetched
     unpacked = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.py"))
     assert "vllm/v1/spec_decode/kernels/deep.py" not in unpacked and "vllm/envs.py" in unpacked
+
+
+def test_a_server_that_ignores_ranges_is_refused_before_its_body_is_read(wheel_server, tmp_path):
+    import httpx
+
+    body = _wheel_bytes()
+    url, _ = wheel_server(body, ranges=False)
+    with httpx.Client() as client, pytest.raises((OSError, zipfile.BadZipFile)) as err:
+        vv.unpack_sources(zipfile.ZipFile(io.BufferedReader(vv.RangeFile(url, len(body), client.stream))), tmp_path)
+    # zipfile wraps the refusal of its first read
+    cause = err.value if isinstance(err.value, OSError) else err.value.__context__
+    assert "got HTTP 200 without a Content-Range: the server does not serve byte ranges" in str(cause)
 
 
 def test_a_wheel_with_an_unclassified_length_field_is_refused(wheel_server, tmp_path):

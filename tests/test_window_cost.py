@@ -112,3 +112,11 @@ def test_display_and_figure_draw_every_windowed_draft():
     fig = window_cost_figure(section)
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and len(ax.get_legend().get_texts()) == 2
+
+
+def test_cells_without_per_request_counters_get_a_note_not_an_error():
+    from wmtp.report.window_cost import window_cost_section
+
+    old = _requests().drop(columns=["accepted", "draft_tokens"])
+    section = window_cost_section(old)
+    assert not section.available and "no per-request acceptance" in section.notes[0]

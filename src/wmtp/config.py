@@ -620,26 +620,30 @@ def study_warnings(study: Study) -> list[str]:
 
 
 def serve_block_size(serve_args: Sequence[str]) -> int | None:
-    """The KV block size an engine's serve arguments set (``--block-size N`` or ``--block-size=N``), if any."""
+    """The KV block size serve arguments set (``--block-size N`` or ``--block-size=N``; the last wins), if any."""
+    found = None
     for i, arg in enumerate(serve_args):
         value = arg.split("=", 1)[1] if arg.startswith("--block-size=") else None
         if arg == "--block-size" and i + 1 < len(serve_args):
             value = serve_args[i + 1]
         if value is not None:
             try:
-                return int(value)
+                found = int(value)
             except ValueError:
-                return None
-    return None
+                found = None
+    return found
 
 
 def _block_rounding_warnings(study: Study) -> list[str]:
     # The draft reads whole KV blocks: S rounds up to a block, the window starts at a block boundary.
     out: list[str] = []
+    blocks = {}
     for engine in study.engines:
-        block = serve_block_size(engine.serve_args)
-        if block is None:
-            continue
+        for model in study.models:  # a model's serve_args come after the engine's, so they win
+            block = serve_block_size([*engine.serve_args, *model.serve_args])
+            if block is not None:
+                blocks.setdefault((engine.name, block), engine)
+    for (_, block), engine in blocks.items():
         for i, arm in enumerate(study.arms):
             if arm.name not in WINDOWED_ARMS:
                 continue

@@ -42,7 +42,7 @@ EFFECTIVE_WINDOW_COLUMNS = {
     "read_sink_tokens": "sink_tokens",
     "read_window_min": "window_tokens_min",
     "read_window_max": "window_tokens_max",
-    "windowed_forwards": "windowed_forwards",
+    "cell_windowed_forwards": "windowed_forwards",  # the cell's server in total, on each of its rows
 }
 
 

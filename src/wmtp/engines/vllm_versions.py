@@ -70,10 +70,14 @@ def wanted_member(name: str) -> bool:
 
 
 class RangeFile(io.RawIOBase):
-    """A remote file read by HTTP range requests, seekable, so ``zipfile`` reads only what it needs."""
+    """A remote file read by HTTP range requests, seekable, so ``zipfile`` reads only what it needs.
 
-    def __init__(self, url: str, size: int, get: Callable[..., Any]) -> None:
-        self.url, self.size, self._get, self.position, self.requests = url, size, get, 0, 0
+    ``stream`` opens a streamed GET (as ``httpx.Client.stream``): a server that answers a range with anything
+    but 206 and the asked-for ``Content-Range`` is refused before its body is read.
+    """
+
+    def __init__(self, url: str, size: int, stream: Callable[..., Any]) -> None:
+        self.url, self.size, self._stream, self.position, self.requests = url, size, stream, 0, 0
 
     def readable(self) -> bool:
         return True
@@ -93,15 +97,21 @@ class RangeFile(io.RawIOBase):
         n = min(len(buffer), self.size - self.position)
         if n <= 0:
             return 0
-        response = self._get(self.url, headers={"Range": f"bytes={self.position}-{self.position + n - 1}"})
-        response.raise_for_status()
-        data = response.content
-        if response.status_code != 206 and len(data) != n:
-            raise OSError(f"{self.url}: the server ignored the byte range (HTTP {response.status_code})")
-        buffer[: len(data)] = data
-        self.position += len(data)
+        last = self.position + n - 1
+        with self._stream("GET", self.url, headers={"Range": f"bytes={self.position}-{last}"}) as response:
+            answered = response.headers.get("Content-Range", "")
+            if response.status_code != 206 or not answered.startswith(f"bytes {self.position}-{last}/"):
+                raise OSError(
+                    f"{self.url}: asked for bytes {self.position}-{last}, got HTTP {response.status_code} "
+                    f"{answered or 'without a Content-Range'}: the server does not serve byte ranges"
+                )
+            data = response.read()
+        if len(data) != n:
+            raise OSError(f"{self.url}: {len(data)} bytes for a range of {n}")
+        buffer[:n] = data
+        self.position += n
         self.requests += 1
-        return len(data)
+        return n
 
 
 def wheel_url(index: dict, version: str) -> tuple[str, int]:
@@ -187,7 +197,7 @@ def check_versions(versions: Sequence[str]) -> list[dict[str, Any]]:
         out = []
         for version in versions:
             url, size = wheel_url(index.json(), version)
-            remote = RangeFile(url, size, client.get)
+            remote = RangeFile(url, size, client.stream)
             with tempfile.TemporaryDirectory() as tmp:
                 root = unpack_sources(zipfile.ZipFile(io.BufferedReader(remote, buffer_size=1 << 16)), Path(tmp))
                 out.append(check_sources(root, version))

@@ -450,8 +450,8 @@ ENGINE_ENV_PREFIXES = ("VLLM_", "SGLANG_", "WMTP_")
 
 def engine_settings(env: Mapping[str, str]) -> dict[str, str]:
     """The engine's own environment switches a server ran with (which model runner, KV space …), for the
-    manifest: the variables the engines read by prefix, never one that names a key, token or password."""
-    secret = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+    manifest: the variables the engines read by prefix, never one that names a key, token, password or credential."""
+    secret = ("KEY", "TOKEN", "SECRET", "PASS", "AUTH", "CREDENTIAL")
     return {
         key: env[key]
         for key in sorted(env)

@@ -30,7 +30,13 @@ RESULT = "WMTP-SELFCHECK "
 
 def run(model: Path, sink: int, window: int, k: int, max_model_len: int, tokens: int) -> dict[str, Any]:
     """Generate once with the window configured; the plugin's summed counters, checked."""
-    stats_dir = tempfile.mkdtemp(prefix="wmtp-selfcheck-")
+    with tempfile.TemporaryDirectory(prefix="wmtp-selfcheck-") as stats_dir:
+        return _generate_and_check(model, sink, window, k, max_model_len, tokens, stats_dir)
+
+
+def _generate_and_check(
+    model: Path, sink: int, window: int, k: int, max_model_len: int, tokens: int, stats_dir: str
+) -> dict[str, Any]:
     os.environ[plugin_stats.ENV] = stats_dir
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker, and so the plugin's counters, in this process
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")

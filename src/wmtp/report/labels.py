@@ -66,16 +66,14 @@ def int_or_none(value: Any) -> int | None:
 
 
 def read_window_note(row: dict[str, Any] | pd.Series) -> str:
-    """'(block 256: reads S=256 W=256–511)' when the engine's KV blocks made the draft read other than S and W.
+    """'(block 256: reads S=256 W=256–511)': what the windowed draft read, as its plugin reported it.
 
-    The draft reads whole blocks: the sink rounded up, the window from the block boundary before the last W
-    tokens, so W to W + B - 1 tokens. Empty when the plugin did not report, or when rounding changed nothing.
+    The draft reads whole KV blocks: the sink rounded up, the window from the block boundary before the last W
+    tokens, so W to W + B - 1 tokens. Empty when the plugin did not report (arms without a window).
     """
     block = int_or_none(row.get("kv_block_size"))
     read_sink, low, high = (int_or_none(row.get(c)) for c in ("read_sink_tokens", "read_window_min", "read_window_max"))
     if block is None or read_sink is None or low is None or high is None:
-        return ""
-    if read_sink == int_or_none(row.get("sink")) and low == high:
         return ""
     window = f"{low}" if low == high else f"{low}–{high}"
     return f"(block {block}: reads S={read_sink} W={window})"
@@ -149,8 +147,10 @@ def add_labels(frame: pd.DataFrame, reference: pd.DataFrame | None = None) -> pd
 def with_read_window(frame: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
     """``frame`` with the effective-window columns of ``reference`` (the rung table), matched on the series."""
     columns = ["kv_block_size", "read_sink_tokens", "read_window_min", "read_window_max"]
-    keys = [c for c in ("model", "engine", "arm", "k", "sink", "window") if c in frame.columns and c in reference]
-    if not keys or not set(columns) <= set(reference.columns) or set(columns) <= set(frame.columns):
+    # The whole series, or no join: a frame without its model or engine could take another one's block size.
+    keys = ["model", "engine", "arm", "k", "sink", "window"]
+    complete = set(keys) <= set(frame.columns) and set(keys) <= set(reference.columns)
+    if not complete or not set(columns) <= set(reference.columns) or set(columns) <= set(frame.columns):
         return frame
 
     def series_key(row: dict[str, Any]) -> tuple:

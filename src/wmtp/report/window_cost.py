@@ -133,6 +133,8 @@ def window_cost_section(requests: pd.DataFrame, lead_tokens: int | None = COPY_L
         return Section(notes=("no copy-task prompts in this study: no distance to the copied passage to show",))
     if not requests["arm"].isin(WINDOWED_ARMS).any():
         return Section(notes=("no windowed draft in this study: nothing for a window to cost",))
+    if "req_acceptance" not in requests.columns and not {"accepted", "draft_tokens"} <= set(requests.columns):
+        return Section(notes=("these cells recorded no per-request acceptance (counters only per rung)",))
     frame = window_cost(requests, lead_tokens)
     if frame["acceptance"].isna().all():
         return Section(notes=("the spec-decode counters did not move on the copy task: no acceptance to show",))

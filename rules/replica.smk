@@ -28,6 +28,7 @@ rule replica:
         out=REPLICA_RESULTS / "raw" / REPLICA_LABEL,
         contexts=REPLICA.contexts,
         ks=REPLICA.ks,
+        batches=REPLICA.batches,
         sink=REPLICA.sink,
         window=REPLICA.window,
         reps=REPLICA.reps,
@@ -38,7 +39,8 @@ rule replica:
         "../envs/replica.yaml"
     shell:
         "{params.py} -m wmtp.replica sweep --models {input:q} --contexts {params.contexts:q} --ks {params.ks:q}"
-        " --sink {params.sink:q} --window {params.window:q} --reps {params.reps:q} --out {params.out:q} > {log:q} 2>&1"
+        " --batches {params.batches:q} --sink {params.sink:q} --window {params.window:q} --reps {params.reps:q}"
+        " --out {params.out:q} > {log:q} 2>&1"
 
 
 rule replica_tidy:

@@ -457,6 +457,25 @@ def test_the_papers_claim_is_set_against_the_ceiling_with_the_committed_h200_rep
     assert set(frame["the paper's range"]) <= {"above the ceiling", "upper end above the ceiling"}
 
 
+def test_the_report_shows_the_claim_the_floor_and_the_batch_sweep_from_the_replica_table(tmp_path, full_tidy_dir):
+    """Through load_report_data, as the notebook gets them: every arm and batch reaches the replica's sections."""
+    from wmtp.replica import replica as rp
+
+    out = tmp_path / "replica.parquet"
+    assert rp.main(["tidy", "--raw", str(ROOT / "measurements" / "h200"), "--models-dir",
+                    str(ROOT / "config" / "models"), "--out", str(out)]) == 0  # fmt: skip
+    data = sections.load_report_data("spark-128k", full_tidy_dir, PUBLISHED, replica_path=out, n_boot=100)
+    assert data.paper.available and set(data.paper.frame["context"]) == {"1M"}
+    floor = data.replica_floor.frame
+    assert {"none", "mtp", "wmtp"} <= set(floor["arm"]) and (floor["step / floor"] > 0.9).all()
+    batch = data.replica_batch.frame
+    assert batch.groupby("model")["batch"].max().max() >= 2  # more than one request per step where it fits
+    # the ratio climbs with concurrency towards, and stays under, the ceiling
+    for _, rows in batch.groupby(["model", "k"]):
+        assert rows.sort_values("batch")["replica (H200)"].is_monotonic_increasing, rows
+        assert (rows["replica (H200)"] < rows["ceiling 1 + k/L_full"]).all()
+
+
 def test_robust_limits_ignore_one_far_point_and_keep_real_spread():
     speedups = [0.97, 0.9, 0.8, 0.72, 0.86, 0.68, 1.26, 1.07, 0.97]
     assert labels.robust_limits(speedups) is None  # a real spread sets the axis itself

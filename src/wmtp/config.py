@@ -162,8 +162,10 @@ class ReplicaSettings(_Strict):
             "config/models/qwen3-next-80b-a3b.json",
         ]
     )
-    contexts: str = "2k,32k,128k,256k,512k,1m"
+    contexts: str = "128k,512k,1m"
     ks: str = "1,3,5"
+    # Concurrent requests per step (each with its own KV and state); what does not fit is recorded, not run.
+    batches: str = "1,2,4,8"
     # S and W of the windowed draft: the paper-1m study's (SGLang's default window).
     sink: int = 64
     window: int = 4032

@@ -111,14 +111,20 @@ def default_replica_path(tidy_dir: Path | str) -> Path:
     return Path(tidy_dir).resolve().parent.parent / "replica" / "tidy" / "replica.parquet"
 
 
+def load_replica_table(path: Path | str | None) -> pd.DataFrame | None:
+    """The GPU replica's tidy table as written (one row per model, context, k, batch and arm), or None."""
+    if not path or not Path(path).exists():
+        return None
+    frame = pd.read_parquet(path)
+    return frame if not frame.empty else None
+
+
 def load_replica(path: Path | str | None) -> pd.DataFrame | None:
-    """The GPU replica table, or None when it has not been built."""
-    if not path:
+    """The GPU replica's windowed rows at one request per step, normalised for the wedge, or None."""
+    table = load_replica_table(path)
+    if table is None:
         return None
-    path = Path(path)
-    if not path.exists():
-        return None
-    frame = normalise_replica(pd.read_parquet(path))
+    frame = normalise_replica(table)
     return frame if not frame.empty else None
 
 
@@ -131,6 +137,8 @@ def normalise_replica(frame: pd.DataFrame) -> pd.DataFrame:
     if frame.empty:
         return frame
     out = frame.copy()
+    if "batch" in out.columns:  # the wedge compares one request per step; the batch sweep has its own table
+        out = out[pd.to_numeric(out["batch"], errors="coerce").fillna(1) == 1]
     if "arm" in out.columns:
         windowed = out[out["arm"] == "wmtp"]
         out = windowed if not windowed.empty else out

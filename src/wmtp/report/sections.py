@@ -22,6 +22,8 @@ from wmtp.report.compare import (
     paper_claim_section,
     paper_models,
     published_comparison,
+    replica_batch_section,
+    replica_floor_section,
     ring_reclaim_section,
     wedge_section,
 )
@@ -37,7 +39,15 @@ from wmtp.report.labels import (
     series_styles,
     with_read_window,
 )
-from wmtp.report.load import Section, Tidy, default_replica_path, load_published, load_replica, load_tidy
+from wmtp.report.load import (
+    Section,
+    Tidy,
+    default_replica_path,
+    load_published,
+    load_replica,
+    load_replica_table,
+    load_tidy,
+)
 from wmtp.report.window_cost import window_cost_section
 
 NOTE_NO_POWER = "not measured: no NVML on this machine"
@@ -500,6 +510,8 @@ class ReportData:
     admission: Section
     reclaim_measured: Section
     window_cost: Section
+    replica_floor: Section
+    replica_batch: Section
 
 
 def load_report_data(
@@ -514,7 +526,9 @@ def load_report_data(
     """Loads and derives everything the report shows. ``replica_path`` '' or None: the default location."""
     tidy = load_tidy(tidy_dir)
     published = load_published(published_dir)
-    replica = load_replica(replica_path or default_replica_path(tidy_dir))
+    replica_file = replica_path or default_replica_path(tidy_dir)
+    replica = load_replica(replica_file)
+    replica_table = load_replica_table(replica_file)  # every arm and batch, for the floor and the paper's claim
     boot = {"n_boot": n_boot, "seed": seed}
     ov = overview(tidy)
     return ReportData(
@@ -540,10 +554,12 @@ def load_report_data(
         answer=answer_section(tidy),
         findings=answer_sentences(tidy),
         excluded=excluded_section(tidy),
-        paper=paper_claim_section(replica, published),
+        paper=paper_claim_section(replica_table, published),
         ring_reclaim=ring_reclaim_section(),
         kv_capacity=kv_capacity_section(tidy),
         admission=admission_section(tidy),
         reclaim_measured=reclaim_measured_section(tidy),
         window_cost=window_cost_section(tidy.requests),
+        replica_floor=replica_floor_section(replica_table),
+        replica_batch=replica_batch_section(replica_table),
     )

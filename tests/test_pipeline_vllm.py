@@ -149,6 +149,7 @@ def test_raw_files_and_manifest(pipeline):
         assert ("--additional-config" in manifest["argv"]) == ("arm~wmtp" in cell)
         # every arm on the V1 runner, whose proposer the plugin hooks, and the manifest says so
         assert manifest["server_env"]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+        assert manifest["model_config"]["model_type"] == "qwen3_next"  # the architecture the cost model reads
         if "arm~wmtp" in cell:
             reads = manifest["wmtp_plugin"]
             # the plugin in the cell's server windowed its drafts and skipped blocks at the longer rungs

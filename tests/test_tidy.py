@@ -133,3 +133,19 @@ def test_cells_without_a_window_read_nothing_special(tmp_path):
     cell = _write_cell(tmp_path / "raw" / "cell", {"code": (10, 30, 15)})
     rungs = tidy.collect([cell], tmp_path / "tidy")["rungs"]
     assert rungs[["kv_block_size", "read_sink_tokens", "read_window_max"]].isna().all().all()
+
+
+def test_a_windowed_cell_carries_the_cost_models_ring_reclaim_at_its_length(tmp_path):
+    cell = _write_cell(tmp_path / "raw" / "cell", {"code": (10, 30, 15)})
+    manifest = json.loads((cell / "manifest.json").read_text())
+    manifest["cell"].update(arm="wmtp-ring", sink=16, window=256)
+    manifest["kv_cache"] = {"kv_cache_tokens": 1, "max_model_len": 16640, "max_concurrency": 1.0}
+    manifest["model_config"] = json.loads((FIXTURES / "tiny-trained" / "config.json").read_text())
+    (cell / "manifest.json").write_text(json.dumps(manifest))
+    predicted = tidy.collect([cell], tmp_path / "tidy")["requests"]["predicted_ring_reclaim"].iloc[0]
+    # one full-attention layer and the draft, 256 bytes a token each: the ring keeps 16 + 256 of 16,640 draft
+    # tokens, so at most (16,640 − 272) / (2 · 16,640) of the KV comes back, a little less with the recurrent state
+    assert 0.48 < predicted < (16640 - 272) / (2 * 16640)
+    manifest.pop("model_config")
+    (cell / "manifest.json").write_text(json.dumps(manifest))
+    assert tidy.collect([cell], tmp_path / "tidy2")["requests"]["predicted_ring_reclaim"].isna().all()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from wmtp.analyze import analysis
+from wmtp.analyze import analysis, costmodel
 from wmtp.layout import COUNTERS_FILE, MANIFEST_FILE, REQUESTS_FILE
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,22 @@ EFFECTIVE_WINDOW_COLUMNS = {
 }
 
 
+def predicted_ring_reclaim(manifest: dict) -> float:
+    """The cost model's share of a request's KV and state that a ring gives back, at the cell's max_model_len and
+    its S and W; NaN for arms without a window, or a checkpoint the cost model cannot read."""
+    cell, config = manifest["cell"], manifest.get("model_config")
+    length = (manifest.get("kv_cache") or {}).get("max_model_len")
+    if cell["arm"] not in analysis.WINDOWED_ARMS or not config or not length:
+        return math.nan
+    try:
+        spec = costmodel.model_from_hf_config(config.get("text_config", config))
+    except (KeyError, TypeError, ValueError):
+        return math.nan
+    plain = costmodel.kv_memory(spec, int(length), sink=cell["sink"], window=cell["window"], ring=False).total
+    ring = costmodel.kv_memory(spec, int(length), sink=cell["sink"], window=cell["window"], ring=True).total
+    return 1.0 - ring / plain
+
+
 def effective_window(manifest: dict) -> dict[str, float]:
     """The effective-window columns of a cell (NaN for arms without a window, or before the plugin reported)."""
     reported = manifest.get("wmtp_plugin") or {}
@@ -77,6 +93,7 @@ def request_table(cell_dir: Path) -> pd.DataFrame:
     frame["max_concurrency"] = capacity.get("max_concurrency")
     for column, value in effective_window(manifest).items():
         frame[column] = value
+    frame["predicted_ring_reclaim"] = predicted_ring_reclaim(manifest)
     _per_request_acceptance(frame)
     return screen_requests(frame)
 

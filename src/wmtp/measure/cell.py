@@ -445,6 +445,14 @@ def _build_server(run: CellRun, engine: EngineAdapter, staging: Path, cache_dir:
     return server, container_stop
 
 
+def model_config(model_dir: Path) -> dict[str, Any] | None:
+    """The checkpoint's config.json, or None where it has none (or it does not parse)."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 ENGINE_ENV_PREFIXES = ("VLLM_", "SGLANG_", "WMTP_")
 
 
@@ -548,6 +556,8 @@ def run_cell(run: CellRun) -> Path:
             k: run.engine_manifest.get(k) for k in ("engine", "kind", "source", "python", "versions", "spec_hash")
         },
         "model_dir": str(run.model_dir),
+        # The checkpoint's architecture, so the analysis can set the cost model's prediction next to this cell.
+        "model_config": model_config(run.model_dir),
         "host": platform.node(),
         "gpu_at_start": meter.info(),
         "power_status": meter.status,

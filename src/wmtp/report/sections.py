@@ -460,7 +460,11 @@ def reclaim_measured_section(tidy: Tidy) -> Section:
                         "engine": engine,
                         "where": f"cells S={int(ring_cell['sink'])} W={int(ring_cell['window'])}, max_model_len",
                         "reclaimed, engine (%)": round(100 * share, 1),
-                        "reclaimed, cost model (%)": "—",
+                        "reclaimed, cost model (%)": (
+                            round(100 * float(ring_cell["predicted_ring_reclaim"]), 1)
+                            if pd.notna(ring_cell.get("predicted_ring_reclaim", math.nan))
+                            else "—"
+                        ),
                     }
                 )
     if not rows:

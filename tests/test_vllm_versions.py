@@ -65,13 +65,18 @@ class _RangeServer(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _QuietServer(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        pass  # a client that refuses a reply closes the connection mid-body: expected here
+
+
 @pytest.fixture
 def wheel_server():
     servers = []
 
     def serve(body: bytes, ranges: bool = True) -> str:
         handler = type("Handler", (_RangeServer,), {"body": body, "sent": 0, "ranges": ranges})
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server = _QuietServer(("127.0.0.1", 0), handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
         return f"http://127.0.0.1:{server.server_address[1]}/vllm.whl", handler

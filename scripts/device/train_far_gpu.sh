@@ -15,9 +15,11 @@
 # and Budget overrides (JSON). Writes $OUT/NAME.log and $OUT/NAME.tar (the checkpoint directory):
 #   OUT=/path/to/out bash scripts/device/train_far_gpu.sh far '{}' '{}' far2 '{"full_attention_every": 2}' '{}'
 set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu-inputs/*.whl
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
-mkdir -p /tmp/stdlib /tmp/train && tar xzf .gpu-inputs/stdlib.tar.gz -C /tmp/stdlib
+# Scratch space of this run only (the device machine is fresh each time).
+work="$(mktemp -d)"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$work"/site .gpu-inputs/*.whl
+export PYTHONPATH="$work"/site:$PWD/src PYTHONUNBUFFERED=1
+mkdir -p "$work"/stdlib "$work"/train && tar xzf .gpu-inputs/stdlib.tar.gz -C "$work"/stdlib
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 pids=()
@@ -25,10 +27,10 @@ while [ $# -ge 3 ]; do
   name=$1 shape=$2 budget=$3
   shift 3
   (
-    python3 -m wmtp.model.train train --recipe far-copy --seed 0 --out "/tmp/train/$name" \
-      --tokenizer tests/fixtures/tiny-trained/tokenizer.json --stdlib /tmp/stdlib --shape "$shape" --budget "$budget" \
+    python3 -m wmtp.model.train train --recipe far-copy --seed 0 --out "$work/train/$name" \
+      --tokenizer tests/fixtures/tiny-trained/tokenizer.json --stdlib "$work"/stdlib --shape "$shape" --budget "$budget" \
       >"$OUT/$name.log" 2>&1
-    tar cf "$OUT/$name.tar" -C /tmp/train "$name"
+    tar cf "$OUT/$name.tar" -C "$work"/train "$name"
   ) &
   pids+=($!)
 done

@@ -14,10 +14,12 @@
 set -euo pipefail
 name=$1
 budget=$2
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu-inputs/*.whl
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
-mkdir -p /tmp/stdlib && tar xzf .gpu-inputs/stdlib.tar.gz -C /tmp/stdlib
+# Scratch space of this run only (the device machine is fresh each time).
+work="$(mktemp -d)"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$work"/site .gpu-inputs/*.whl
+export PYTHONPATH="$work"/site:$PWD/src PYTHONUNBUFFERED=1
+mkdir -p "$work"/stdlib && tar xzf .gpu-inputs/stdlib.tar.gz -C "$work"/stdlib
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 python3 -m wmtp.model.train train --out "$OUT/$name" --seed 0 --tokenizer tests/fixtures/tiny-trained/tokenizer.json \
-  --stdlib /tmp/stdlib --budget "$budget" 2>&1 | tee "$OUT/$name.log"
+  --stdlib "$work"/stdlib --budget "$budget" 2>&1 | tee "$OUT/$name.log"

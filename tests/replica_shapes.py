@@ -1,5 +1,33 @@
-"""Two tiny model shapes for the replica's tests (a Gated-DeltaNet MoE and a Mamba2 MoE): shared by
-test_replica.py and replica_triton_checks.py, which runs without pytest."""
+"""What the replica's tests share (two tiny model shapes, a Gated-DeltaNet MoE and a Mamba2 MoE, random inputs
+and the relative error): used by test_replica.py and by replica_triton_checks.py, which runs without pytest."""
+
+import torch
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def fresh(hq=8, hkv=2, d=32, n=300, t=3, dtype=torch.bfloat16):
+    """Fresh random inputs every call (no fixed seed): the kernel must be right on any input."""
+    kc = torch.randn(n + t, hkv, d, dtype=dtype)
+    vc = torch.randn(n + t, hkv, d, dtype=dtype)
+    q = torch.randn(hq, t, d, dtype=dtype)
+    return q, kc, vc
+
+
+def gdn_inputs(t=3, hk=2, hv=4, dk=8, dv=4):
+    return (
+        torch.randn(t, hk, dk),
+        torch.randn(t, hk, dk),
+        torch.randn(t, hv, dv),
+        torch.randn(t, hv),
+        torch.randn(t, hv),
+        torch.rand(hv),
+        torch.rand(hv),
+    )
+
 
 TINY_GDN = {
     "name": "tiny-gdn-moe",

@@ -10,37 +10,12 @@ from __future__ import annotations
 import os
 
 import torch
-from replica_shapes import TINY_GDN, TINY_MAMBA
+from replica_shapes import TINY_GDN, TINY_MAMBA, fresh, gdn_inputs, rel_err
 
 from wmtp.analyze import costmodel as cm
 from wmtp.replica import kernels as kn
 from wmtp.replica import model as md
 from wmtp.replica import sweep as sw
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def fresh(hq=8, hkv=2, d=32, n=300, t=3, dtype=torch.float32):
-    return (
-        torch.randn(hq, t, d, dtype=dtype),
-        torch.randn(n + t, hkv, d, dtype=dtype),
-        torch.randn(n + t, hkv, d, dtype=dtype),
-    )
-
-
-def _gdn_inputs(t=3, hk=2, hv=4, dk=8, dv=4):
-    return (
-        torch.randn(t, hk, dk),
-        torch.randn(t, hk, dk),
-        torch.randn(t, hv, dv),
-        torch.randn(t, hv),
-        torch.randn(t, hv),
-        torch.rand(hv),
-        torch.rand(hv),
-    )
 
 
 def main() -> None:
@@ -73,7 +48,7 @@ def main() -> None:
     # recurrences
     for mamba in (False, True):
         t, hk, hv, dk, dv = 3, 2, 4, 16, 32
-        qq, kk, vv, braw, graw, a_log, dt_bias = _gdn_inputs(t, hk, hv, dk, dv)
+        qq, kk, vv, braw, graw, a_log, dt_bias = gdn_inputs(t, hk, hv, dk, dv)
         s0 = torch.randn(hv, dk, dv)
         outs = []
         for impl in ("triton", "torch"):

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from replica_shapes import TINY_GDN, TINY_MAMBA  # noqa: E402
+from replica_shapes import TINY_GDN, TINY_MAMBA, fresh, gdn_inputs, rel_err  # noqa: E402
 
 from wmtp.analyze import costmodel as cm  # noqa: E402
 from wmtp.replica import cli  # noqa: E402
@@ -22,19 +22,6 @@ from wmtp.replica import sweep as sw  # noqa: E402
 
 MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
 BF16_TOL = 2e-2  # relative error of bf16 operands
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def fresh(hq=8, hkv=2, d=32, n=300, t=3, dtype=torch.bfloat16):
-    """Fresh random inputs every call (no fixed seed): the kernel must be right on any input."""
-    kc = torch.randn(n + t, hkv, d, dtype=dtype)
-    vc = torch.randn(n + t, hkv, d, dtype=dtype)
-    q = torch.randn(hq, t, d, dtype=dtype)
-    return q, kc, vc
 
 
 def sdpa_plain(q, kc, vc, end):
@@ -104,21 +91,9 @@ def test_split_counts_do_not_change_the_result():
     assert rel_err(a, b) < BF16_TOL and rel_err(a, c) < BF16_TOL
 
 
-def _gdn_inputs(t=3, hk=2, hv=4, dk=8, dv=4):
-    return (
-        torch.randn(t, hk, dk),
-        torch.randn(t, hk, dk),
-        torch.randn(t, hv, dv),
-        torch.randn(t, hv),
-        torch.randn(t, hv),
-        torch.rand(hv),
-        torch.rand(hv),
-    )
-
-
 def test_mamba2_first_token_is_outer_product():
     hk, hv, dk, dv = 2, 4, 8, 4
-    c, b, x, _, dtraw, a_log, dt_bias = _gdn_inputs(1, hk, hv, dk, dv)
+    c, b, x, _, dtraw, a_log, dt_bias = gdn_inputs(1, hk, hv, dk, dv)
     s0 = torch.zeros(hv, dk, dv)
     so = torch.empty(1, hv, dk, dv)
     out = torch.empty(1, hv, dv)
@@ -135,7 +110,7 @@ def test_mamba2_first_token_is_outer_product():
 def test_gdn_delta_rule_on_zero_state():
     """From a zero state the delta rule writes beta * v along the normalised key."""
     hk, hv, dk, dv = 2, 4, 8, 4
-    q, k, v, braw, graw, a_log, dt_bias = _gdn_inputs(1, hk, hv, dk, dv)
+    q, k, v, braw, graw, a_log, dt_bias = gdn_inputs(1, hk, hv, dk, dv)
     s0 = torch.zeros(hv, dk, dv)
     so = torch.empty(1, hv, dk, dv)
     out = torch.empty(1, hv, dv)

@@ -244,15 +244,16 @@ def too_busy(load: float, limit_per_core: float) -> bool:
     return load > limit_per_core * (os.cpu_count() or 1)
 
 
+def refuse(what: str, load: float, limit_per_core: float) -> None:
+    log.error(
+        "%s: 1-minute load %.2f on %d cores, above %.1f per core", what, load, os.cpu_count() or 1, limit_per_core
+    )
+
+
 def parent(args: argparse.Namespace) -> int:
     before = os.getloadavg()[0]
     if too_busy(before, args.max_load_per_core):
-        log.error(
-            "refusing to benchmark: 1-minute load %.2f on %d cores is above %.1f per core; wait for an idle box",
-            before,
-            os.cpu_count() or 1,
-            args.max_load_per_core,
-        )
+        refuse("refusing to benchmark: the box is busy", before, args.max_load_per_core)
         return 2
     ensure_model(args.model)
     log_dir = args.out.parent if args.log_dir is None else args.log_dir
@@ -290,12 +291,7 @@ def parent(args: argparse.Namespace) -> int:
     ]
     busiest = max(max(values) for values in loads.values())
     if too_busy(busiest, args.max_load_per_core):
-        log.error(
-            "not recording: the 1-minute load reached %.2f on %d cores during the run (limit %.1f per core)",
-            busiest,
-            os.cpu_count() or 1,
-            args.max_load_per_core,
-        )
+        refuse("not recording: the box got busy during the run", busiest, args.max_load_per_core)
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as out:

@@ -9,7 +9,7 @@ from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
 from wmtp import layout
-from wmtp.config import WINDOWED_ARMS, ConfigError, resolved_study_json, study_from_dict
+from wmtp.config import ConfigError, resolved_study_json, study_from_dict
 from wmtp.model.hub import DOWNLOAD_MANIFEST
 from wmtp.measure.identity import cell_identity, cell_study, identity_hash
 from wmtp.engines.build import CHECKS_VERSION as ENGINE_CHECKS_VERSION
@@ -67,10 +67,6 @@ def cell_study_json(cell_id):
     return json.dumps(cell_study(STUDY, CELLS[cell_id]), sort_keys=True)
 
 
-def engine_runs_windowed(engine_name):
-    return any(c.engine == engine_name and c.arm in WINDOWED_ARMS for c in CELLS.values())
-
-
 def engine_hash(engine_name):
     return spec_hash(STUDY.engine(engine_name))
 
@@ -116,21 +112,8 @@ def cell_manifests():
     return [cell_dir(cell_id) / layout.MANIFEST_FILE for cell_id in CELLS]
 
 
-# The proof's request length (or the model's max_model_len, if shorter). At the embedded model's 16,640 the CPU
-# build's speculative GDN path failed on the proof's mixed batch (prefill beside speculative decode: a tensor
-# size mismatch in vLLM's cpu gdn_attention _spec_forward); at 4,096 it runs.
-ADMISSION_MAX_LEN = 4096
-
-
 def admission_settings(model_name, engine_name):
-    """The ring cell's k, S and W, and the proof's request length."""
-    proofs = {(c.model, c.engine): c for c in STUDY.admission_proofs()}
-    if (model_name, engine_name) not in proofs:
-        raise ConfigError(f"study {STUDY.study!r} asks for no admission proof of {model_name!r} on {engine_name!r}")
-    cell = proofs[(model_name, engine_name)]
-    length = min(ADMISSION_MAX_LEN, STUDY.model(model_name).max_model_len)
-    proof = {"sink": cell.sink, "window": cell.window, "k": cell.k, "max_model_len": length}
-    return json.dumps(proof, sort_keys=True)
+    return json.dumps(STUDY.admission_settings(model_name, engine_name), sort_keys=True)
 
 
 def admission_files():

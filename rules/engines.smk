@@ -16,7 +16,7 @@ rule engine:
         spec=lambda wc: json.dumps(STUDY.engine(wc.engine).model_dump(mode="json"), sort_keys=True),
         # A newer self-check, or windowed arms added to the study, re-checks the engine (no reinstall).
         checks=ENGINE_CHECKS_VERSION,
-        windowed=lambda wc: "--windowed" if engine_runs_windowed(wc.engine) else "",
+        windowed=lambda wc: "--windowed" if STUDY.runs_windowed(wc.engine) else "",
     localrule: True
     conda:
         "../envs/pipeline.yaml"

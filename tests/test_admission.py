@@ -12,7 +12,7 @@ import yaml
 
 from wmtp.analyze import costmodel
 from wmtp.analyze.tidy import admission_table
-from wmtp.config import study_from_dict
+from wmtp.config import ConfigError, study_from_dict
 from wmtp.layout import TRAINED_CHECKPOINT
 from wmtp.measure import admission as adm
 from wmtp.report.load import Tidy
@@ -68,8 +68,16 @@ def test_the_embedded_study_asks_for_one_proof_at_its_ring_cell():
     assert [(c.model, c.engine, c.arm, c.k, c.sink, c.window) for c in proofs] == [
         ("tiny", "vllm-cpu", "wmtp-ring", 3, 16, 256)
     ]
+    study = study_from_dict(raw)
+    # the proof's length: the cells' 16,640 is capped at the 4,096 the CPU build serves this batch at
+    assert study.admission_settings("tiny", "vllm-cpu") == {"sink": 16, "window": 256, "k": 3, "max_model_len": 4096}
+    assert study.runs_windowed("vllm-cpu")
+    with pytest.raises(ConfigError, match="asks for no admission proof of 'other'"):
+        study.admission_settings("other", "vllm-cpu")
     raw["arms"] = [a for a in raw["arms"] if a["name"] != "wmtp-ring"]
     assert study_from_dict(raw).admission_proofs() == []
+    raw["arms"] = [a for a in raw["arms"] if a["name"] not in ("wmtp",)]
+    assert not study_from_dict(raw).runs_windowed("vllm-cpu")
 
 
 def test_the_cost_model_reads_the_tiny_checkpoints_config():

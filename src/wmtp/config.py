@@ -27,6 +27,10 @@ SCHEMA_PATH = REPO_ROOT / "config" / "schemas" / "config.schema.yaml"
 ARMS = ("none", "mtp", "wmtp", "wmtp-ring")
 DRAFTING_ARMS = ("mtp", "wmtp", "wmtp-ring")
 WINDOWED_ARMS = ("wmtp", "wmtp-ring")
+# The admission proof's request length (or the model's max_model_len, if shorter). At the embedded model's 16,640
+# the CPU build's speculative GDN path failed on the proof's mixed batch (prefill beside speculative decode: a
+# tensor size mismatch in vLLM's CPU gdn_attention _spec_forward); at 4,096 it runs.
+ADMISSION_MAX_LEN = 4096
 ENGINE_KINDS = ("vllm", "sglang")
 # What the protocol's ``workloads`` may name: plain code (the Spark study's) and the hard / low-acceptance copy task,
 # whose prompt is a lead-in, a passage, filler, then the passage's first tokens as a cue.
@@ -211,6 +215,19 @@ class Study(_Strict):
 
     def cells(self) -> list[Cell]:
         return list(expand_cells(self))
+
+    def runs_windowed(self, engine: str) -> bool:
+        """Whether any cell runs ``wmtp`` or ``wmtp-ring`` on this engine."""
+        return any(c.engine == engine and c.arm in WINDOWED_ARMS for c in self.cells())
+
+    def admission_settings(self, model: str, engine: str) -> dict[str, int]:
+        """The admission proof of (model, engine): its ring cell's k, S and W, and the requests' length."""
+        proofs = {(c.model, c.engine): c for c in self.admission_proofs()}
+        if (model, engine) not in proofs:
+            raise ConfigError(f"study {self.study!r} asks for no admission proof of {model!r} on {engine!r}")
+        cell = proofs[(model, engine)]
+        length = min(ADMISSION_MAX_LEN, self.model(model).max_model_len)
+        return {"sink": cell.sink, "window": cell.window, "k": cell.k, "max_model_len": length}
 
     def admission_proofs(self) -> list[Cell]:
         """The ring's admission proofs the study asks for: one per (model, engine) with a ``wmtp-ring`` cell on a

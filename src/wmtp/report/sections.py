@@ -415,8 +415,8 @@ def admission_section(tidy: Tidy) -> Section:
             f"{model} on {engine}: {first['verdict']}. {int(first['requests'])} requests of "
             f"{int(first['prompt_tokens']):,} prompt tokens arrive at once in the same KV memory; what decides is "
             "the most running at once and the preemptions, as the engine counted them after every step (a request "
-            "also waits while another's long prefill fills a step). Output identical between the arms: "
-            f"{bool(first['same_output'])}."
+            "also waits while another's long prefill fills a step). One run (n = 1), no interval. "
+            f"Output identical between the arms: {bool(first['same_output'])}."
         )
     return Section(pd.DataFrame(rows), tuple(notes))
 
@@ -475,6 +475,8 @@ def reclaim_measured_section(tidy: Tidy) -> Section:
         "on a hybrid model it pads each recurrent state to an attention page, groups layers in equal numbers "
         "(padding a group when they do not divide) and holds a prefill chunk's blocks in the ring's bound; the "
         "engine's share is the one that decides admission.",
+        "Each engine figure is one count (n = 1 per row, no interval): the engine's own block accounting at start-up; "
+        "the cost model's is a formula.",
     )
     return Section(pd.DataFrame(rows), notes)
 

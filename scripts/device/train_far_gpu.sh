@@ -11,6 +11,9 @@
 #                                          (wmtp.config needs pydantic; the image has none)
 #   stdlib.tar.gz                          CPython 3.11's standard-library .py files (the corpus and its held-out
 #                                          split, as on the CPU; the GPU machine runs 3.12)
+#   NAME.init.tar                          optional, per variant: a checkpoint tar this script wrote; the variant
+#                                          continues from it (--init), e.g. with {"target_steps": 0} to train the
+#                                          MTP head only
 # Usage, from the repository root, with OUT naming the output directory; per variant a name, TinyShape overrides
 # and Budget overrides (JSON). Writes $OUT/NAME.log and $OUT/NAME.tar (the checkpoint directory):
 #   OUT=/path/to/out bash scripts/device/train_far_gpu.sh far '{}' '{}' far2 '{"full_attention_every": 2}' '{}'
@@ -26,8 +29,13 @@ pids=()
 while [ $# -ge 3 ]; do
   name=$1 shape=$2 budget=$3
   shift 3
+  init=()
+  if [ -f .gpu-inputs/"$name".init.tar ]; then
+    mkdir -p "$work/init/$name" && tar xf .gpu-inputs/"$name".init.tar -C "$work/init/$name"
+    init=(--init "$(dirname "$(find "$work/init/$name" -name model.safetensors)")")
+  fi
   (
-    python3 -m wmtp.model.train train --recipe far-copy --seed 0 --out "$work/train/$name" \
+    python3 -m wmtp.model.train train "${init[@]}" --recipe far-copy --seed 0 --out "$work/train/$name" \
       --tokenizer tests/fixtures/tiny-trained/tokenizer.json --stdlib "$work"/stdlib --shape "$shape" --budget "$budget" \
       >"$OUT/$name.log" 2>&1
     tar cf "$OUT/$name.tar" -C "$work"/train "$name"

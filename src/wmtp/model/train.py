@@ -852,7 +852,8 @@ def train_tiny(
         "heldout_files": len(heldout_files),
         "training_tokens": len(stream),
         "log": asdict(record),
-        **({"init": {"from": str(init), "files": json.loads((init / MANIFEST).read_text())["files"]}} if init else {}),
+        # The checkpoint's name and file hashes identify it; its path was scratch space on the training machine.
+        **({"init": {"from": init.name, "files": json.loads((init / MANIFEST).read_text())["files"]}} if init else {}),
         "threads": budget.threads,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_dispatch": dispatch,

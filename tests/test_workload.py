@@ -65,6 +65,21 @@ def test_workload_prompts_have_exact_lengths_and_copy_repeats_a_far_passage(tiny
         workload_prompt(factory, "chat", 1024, 0, salt="x")
 
 
+def test_copy_passage_is_random_tokens_that_only_its_earlier_occurrence_predicts(tiny_tokenizer):
+    from wmtp.measure.workload import copy_task_prompt
+
+    factory = PromptFactory(tiny_tokenizer)
+    assert factory.rare_tokens and all(len(t.strip()) >= 3 and t.strip().isprintable() for t in factory.rare_tokens)
+    passage = factory.random_tokens(256, 0, salt="p")
+    assert len(factory.encode(passage)) == 256
+    assert passage == factory.random_tokens(256, 0, salt="p")  # deterministic
+    assert passage not in (factory.random_tokens(256, 1, salt="p"), factory.random_tokens(256, 0, salt="q"))
+    task = copy_task_prompt(factory, 4096, 0)
+    probe = task.continuation[:48]
+    assert task.text.count(probe) == 1, "the continuation occurs once, in the passage far back"
+    assert probe not in factory.corpus.text, "and nowhere in the text the lead-in and filler come from"
+
+
 def test_copy_task_converges_where_a_filler_ending_in_a_newline_steps_over_the_length():
     """With the trained model's tokenizer, copy prompt #1 of 2,048 tokens once failed: every filler
     length either fell one short or one over (its trailing newline merged with the tail's)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
+import re
 import sysconfig
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from wmtp.config import (
 )
 
 _SKIP_PARTS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+_RARE_TOKEN = re.compile(r" ?[!-~]{3,}")
 
 
 class PromptLengthError(RuntimeError):
@@ -186,6 +189,7 @@ class PromptFactory:
         # Template tokens around the content, and those before it (where the content starts in the prompt).
         self.overhead = 0 if self.chat is None else self.length("")
         self.prefix_tokens = 0
+        self._rare_tokens: tuple[str, ...] | None = None
         if self.chat is not None:
             marker = "\x00wmtp-content\x00"
             before = self.chat.render(marker).split(marker)[0]
@@ -204,6 +208,25 @@ class PromptFactory:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    @property
+    def rare_tokens(self) -> tuple[str, ...]:
+        """The vocabulary's tokens of three or more printable characters after an optional leading space, in id
+        order: pieces of words and identifiers, each rare in any one stretch of text."""
+        if self._rare_tokens is None:
+            decoded = (self.tokenizer.decode([i]) for i in range(self.tokenizer.get_vocab_size()))
+            self._rare_tokens = tuple(t for t in decoded if _RARE_TOKEN.fullmatch(t))
+            if len(self._rare_tokens) < 256:
+                found = len(self._rare_tokens)
+                raise PromptLengthError(f"the tokenizer has {found} tokens to draw from; 256 are needed")
+        return self._rare_tokens
+
+    def random_tokens(self, n_tokens: int, index: int, salt: str) -> str:
+        """Exactly ``n_tokens`` tokens of text made of tokens drawn at random from :attr:`rare_tokens`: text that
+        nothing but an earlier copy of it predicts. Distinct (index, salt) → distinct text."""
+        rng = random.Random(hashlib.sha256(f"{salt}:{index}".encode()).digest())
+        text = "".join(rng.choice(self.rare_tokens) for _ in range(n_tokens + 128))
+        return exact_length_text(self.encode, self.decode, text, n_tokens)
 
     def _slice(self, start: int, n_chars: int) -> str:
         text = self.corpus.text
@@ -271,10 +294,13 @@ def copy_task_prompt(
     """The hard / low-acceptance workload: exactly ``n_tokens`` tokens that end by starting to repeat a
     passage from far back, so that the right continuation is a copy of text the window cannot see.
 
-    Layout: ``[lead-in][passage][filler][the passage's first cue_tokens]``. A model that copies goes on
-    with the passage; a draft that attends only to a sink and a recent window shorter than the distance
-    back to the passage cannot see it. The lead-in (at least one KV block of a hybrid model) keeps the
-    passage out of the attention sink. The filler's length is converged on until the whole prompt
+    Layout: ``[lead-in][passage][filler][the passage's first cue_tokens]``, lead-in and filler cut from the
+    corpus, the passage tokens drawn at random from the vocabulary (:meth:`PromptFactory.random_tokens`). Only
+    the passage's earlier occurrence predicts how it goes on, so a draft that guesses from the code it sees
+    cannot pass for one that copies: a model that copies goes on with the passage; a draft that attends only
+    to a sink and a recent window shorter than the distance back to the passage cannot see it. The lead-in
+    (at least one KV block of a hybrid model) keeps the passage out of the attention sink. The filler's
+    length is converged on until the whole prompt
     re-tokenises to exactly ``n_tokens``, or PromptLengthError — never approximate.
     """
     if passage_tokens < cue_tokens + max_tries:
@@ -282,7 +308,7 @@ def copy_task_prompt(
     # The pieces are text on their own; only the whole prompt is measured as the server counts it (with a chat
     # template around it, when there is one).
     lead = factory.text(lead_tokens, index, salt=f"{salt}/lead")
-    passage = factory.text(passage_tokens, index, salt=f"{salt}/passage")
+    passage = factory.random_tokens(passage_tokens, index, salt=f"{salt}/passage")
     cue = exact_length_text(factory.encode, factory.decode, passage, cue_tokens, max_tries)
     head = f"{lead}\n\n{passage}\n\n"
     head_tokens = len(factory.encode(head))

@@ -30,15 +30,20 @@ from wmtp.model.train import FIXTURE_DIR, MANIFEST, TRAINED_SHAPE, FixtureError,
 REPO = Path(__file__).resolve().parents[1]
 
 # sha256 of model.safetensors after `python -m wmtp.model.train train --tiny --seed 0` with the fixture's tokenizer on
-# torch 2.13.0+cpu, per pinned CPU dispatch level (wmtp.model.train.CPU_DISPATCH). "avx2" was first computed on an
-# AVX2 CPU without pins and is reproduced pinned on an AVX-512 one (which unpinned writes b6f1fcc4…); another
-# torch build may round differently: then retrain, check that two runs agree, and update these with the reason.
+# torch 2.13.0+cpu, per pinned CPU dispatch level (wmtp.model.train.CPU_DISPATCH, MKL in its strict reproducible
+# mode), computed on an AMX CPU. Another torch or MKL build may round differently: then retrain, check that two
+# runs agree, and update these with the reason.
 TINY_BUDGET_SHA256 = {
-    "avx2": "7cdc9c9d16501ea2dad594058550a26787c7cbb50fa97c34f5f24975fd8e5320",
-    "default": "d0cbf84c320b75152fc2a87bcd864332a645300952cbecf8b2f86cf67fb97e4e",
+    "avx2": "206346755ad738b1ecf62ac91a5a80d10e45c60c1a797b00095e3eecb86aefe5",
+    "default": "ce7c76ed46a801008ed0f607b1ebafc22df5c28a2c6facf0e284e49e144827d1",
 }
 # What a host would pick unpinned: the pinned run must not follow it.
-HOST_LEVELS = {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512", "ONEDNN_MAX_CPU_ISA": "ALL"}
+HOST_LEVELS = {
+    "ATEN_CPU_CAPABILITY": "avx512",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    "ONEDNN_MAX_CPU_ISA": "ALL",
+    "MKL_CBWR": "AUTO",
+}
 
 MAX_FIXTURE_BYTES = 5 * 1024 * 1024
 PROMPT_TOKENS = 1024

@@ -121,7 +121,7 @@ class Budget:
     max_chars: int = 12_000_000
     tokenizer_chars: int = 4_000_000
     threads: int = 1  # one thread: OpenMP threads stall badly when other jobs share the two cores
-    # The CPU vector level every kernel is pinned to on "cpu" (CPU_DISPATCH): the same bytes on any x86-64.
+    # The CPU vector level every kernel is pinned to on "cpu" (CPU_DISPATCH): the same bytes on any x86-64 CPU.
     cpu_dispatch: str = "avx2"
     # "cpu" (bitwise reproducible, the tests' hash) or "cuda" (a larger budget in minutes; reproducible
     # only up to the GPU's non-deterministic kernels).
@@ -133,16 +133,18 @@ class Budget:
 # A CPU run is reproducible bit for bit only at one vector level: ATen's kernels, MKL's GEMMs and oneDNN each
 # pick the widest instructions the CPU has (AVX2, AVX-512, AMX), and each width sums in another order. These
 # settings cap all three at the same level, with one OpenMP thread; they must be in the environment before
-# torch is imported (``python -m wmtp.model.train`` sets them first). Measured with the tiny budget on an AVX-512
-# CPU: unpinned it writes other bytes than an AVX2 CPU; pinned at "avx2" it writes the AVX2 CPU's bytes
-# (docs/design.md, "Reproducible training"). MKL's own reproducibility mode (MKL_CBWR) is left off: it
-# changes the bytes again, away from what an AVX2 CPU computes unpinned. AVX2 is on every x86-64 server CPU
-# since 2013; "default" (ATen's scalar kernels) runs anywhere, slower.
+# torch is imported (``python -m wmtp.model.train`` sets them first). A cap on MKL's instructions is not enough:
+# within one instruction set MKL still picks its kernels by CPU model (the tiny budget, capped at AVX2, wrote
+# one set of bytes on an AVX2 and an AVX-512 CPU and another on an AMX one), so MKL also runs in its conditional
+# numerical reproducibility mode (MKL_CBWR, strict: the same kernels on any CPU with that instruction set,
+# whatever the alignment). AVX2 is on every x86-64 server CPU since 2013; "default" (ATen's scalar kernels)
+# runs anywhere, slower.
 CPU_DISPATCH: dict[str, dict[str, str]] = {
     "avx2": {
         "ATEN_CPU_CAPABILITY": "avx2",
         "MKL_ENABLE_INSTRUCTIONS": "AVX2",
         "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_CBWR": "AVX2,STRICT",
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
     },
@@ -150,6 +152,7 @@ CPU_DISPATCH: dict[str, dict[str, str]] = {
         "ATEN_CPU_CAPABILITY": "default",
         "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
         "ONEDNN_MAX_CPU_ISA": "SSE41",
+        "MKL_CBWR": "SSE4_2,STRICT",
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
     },

@@ -1,6 +1,6 @@
 # Models that the pipeline generates: the tiny hybrid MTP checkpoint of the embedded default, with
 # random weights (generate: tiny) or trained (generate: trained: the committed fixture, checked
-# against its hashes; rule train_tiny retrains it from scratch).
+# against its hashes; rule train_tiny trains the CPU recipe of the same family from scratch).
 
 
 rule tiny_model:
@@ -49,9 +49,10 @@ rule trained_model:
         "{params.py} -m wmtp.model.train install --fixture {params.fixture:q} --out {params.out:q} --seed {params.seed:q} > {log:q} 2>&1"
 
 
-# Retrains the committed checkpoint from scratch on this CPU (about 15 min on two cores); not part of
-# `all`. Ask for it by path, e.g. `snakemake results/models/tiny.train/model.safetensors`, and compare
-# its wmtp-model.json with tests/fixtures/tiny-trained/wmtp-model.json.
+# Trains the CPU recipe (wmtp.model.train, "cpu": 512-token rows, bitwise reproducible) from scratch on this CPU
+# (about 15 min on two cores); not part of `all`. Ask for it by path, e.g.
+# `snakemake results/models/tiny.train/model.safetensors`. The committed checkpoint is the GPU recipe
+# (scripts/device/train_far_gpu.sh): its model copies from far back, which the CPU recipe's does not.
 rule train_tiny:
     input:
         engine=lambda wc: engine_input(tiny_builder_engine()),

@@ -20,7 +20,7 @@ def test_embedded_study_is_valid(repo):
         "model~tiny/engine~vllm-cpu/arm~none/c~1",
         "model~tiny/engine~vllm-cpu/arm~mtp/k~3/c~1",
         "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~256/c~1",
-        "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~1024/c~1",
+        "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~4096/c~1",
         "model~tiny/engine~vllm-cpu/arm~wmtp-ring/k~3/s~16/w~256/c~1",
     ]
     assert study.protocol.workloads == ["code", "copy"]
@@ -169,4 +169,4 @@ def test_check_config_lists_cells_and_the_sweep(repo, capsys):
     out = capsys.readouterr().out
     assert "is valid: 5 cells" in out
     assert "rungs 1024, 4096, 16384 × repeats [5, 5, 5] on workloads code, copy" in out
-    assert "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~1024/c~1" in out
+    assert "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~4096/c~1" in out

@@ -35,7 +35,7 @@ from wmtp.engines import ServeRequest, vllm
 from wmtp.layout import REPO_ROOT
 from wmtp.measure.client import complete
 from wmtp.measure.server import ServerProcess, free_port
-from wmtp.measure.workload import Corpus, PromptFactory, copy_task_prompt
+from wmtp.measure.workload import Corpus, PromptFactory, copied_tokens, copy_task_prompt
 from wmtp.model.train import FIXTURE_DIR, heldout_text
 
 log = logging.getLogger("acceptance_cpu")
@@ -96,16 +96,6 @@ def build_prompts(factory: PromptFactory, workloads: list[str], rungs: list[int]
                         }
                     )
     return prompts
-
-
-def copied_tokens(factory: PromptFactory, token_ids: list[int], continuation: str | None) -> int | None:
-    """How many generated tokens in a row reproduce the passage's continuation."""
-    if continuation is None:
-        return None
-    for i in range(len(token_ids)):
-        if not continuation.startswith(factory.decode(token_ids[: i + 1])):
-            return i
-    return len(token_ids)
 
 
 def run_arm(
@@ -172,7 +162,11 @@ def run_arm(
                     "draft_tokens": d.get("draft_tokens", 0.0),
                     "accepted": d.get("accepted", 0.0),
                     **{f"accepted_pos_{i}": d.get(f"accepted_pos_{i}", 0.0) for i in range(args.k)},
-                    "copied_tokens": copied_tokens(factory, result.token_ids, p["continuation"]),
+                    "copied_tokens": (
+                        None
+                        if p["continuation"] is None
+                        else copied_tokens(factory.decode, result.token_ids, p["continuation"])
+                    ),
                     "token_ids": " ".join(map(str, result.token_ids)),
                 }
                 rows.append(row)

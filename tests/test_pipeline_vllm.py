@@ -166,6 +166,10 @@ def test_raw_files_and_manifest(pipeline):
         assert (measured["completion_tokens"] == 24).all()
         assert (measured["ttft_s"] > 0).all() and (measured["e2e_s"] > measured["ttft_s"]).all()
         assert requests["warmup"].sum() == 1
+        # copy-task rows say how much of the passage the output reproduced; code rows have no passage
+        copied = measured[measured["workload"] == "copy"]["copied_tokens"]
+        assert copied.notna().all() and copied.between(0, 24).all()
+        assert measured[measured["workload"] == "code"]["copied_tokens"].isna().all()
 
 
 def test_counter_invariants(pipeline):

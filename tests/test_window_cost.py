@@ -120,3 +120,19 @@ def test_cells_without_per_request_counters_get_a_note_not_an_error():
     old = _requests().drop(columns=["accepted", "draft_tokens"])
     section = window_cost_section(old)
     assert not section.available and "no per-request acceptance" in section.notes[0]
+
+
+def test_the_section_says_where_the_model_does_not_copy():
+    from wmtp.report.window_cost import MIN_COPIED_TOKENS, window_cost_display, window_cost_section
+
+    frame = _requests()
+    frame["copied_tokens"] = [None if w == "plain" else 30 for w in frame["workload"]]
+    section = window_cost_section(frame)
+    assert section.notes == () and set(section.frame["copied"]) == {30.0}
+    assert set(window_cost_display(section)["passage copied (tokens)"]) == {"30.0"}
+    # At 4K the outputs leave the passage at once: the curve cannot show a window's cost there.
+    frame.loc[(frame["rung"] == 4096) & (frame["workload"] == "copy"), "copied_tokens"] = MIN_COPIED_TOKENS - 1
+    (note,) = window_cost_section(frame).notes
+    assert note.startswith("at 4,096 tokens the model reproduced 7.0 tokens") and "cannot show" in note
+    (unknown,) = window_cost_section(_requests()).notes  # cells that did not record it
+    assert "not known" in unknown

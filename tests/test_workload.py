@@ -80,6 +80,33 @@ def test_copy_passage_is_random_tokens_that_only_its_earlier_occurrence_predicts
     assert probe not in factory.corpus.text, "and nowhere in the text the lead-in and filler come from"
 
 
+def test_copied_tokens_counts_the_generated_tokens_that_go_on_with_the_passage():
+    from wmtp.measure.workload import copied_tokens
+
+    pieces = {1: "ab", 2: "c", 3: "d", 4: "x", 5: "cd"}
+
+    def decode(ids: list[int]) -> str:
+        return "".join(pieces[i] for i in ids)
+
+    assert copied_tokens(decode, [1, 2, 3], "abcde") == 3
+    assert copied_tokens(decode, [1, 4, 2], "abcde") == 1  # a miss ends the copy, even if it comes back
+    assert copied_tokens(decode, [4, 1], "abcde") == 0
+    assert copied_tokens(decode, [1, 5], "abcd") == 2  # tokens need not split where the passage's did
+    assert copied_tokens(decode, [], "abc") == 0
+
+
+def test_workload_task_gives_the_copy_tasks_continuation(tiny_tokenizer):
+    from wmtp.measure.workload import copy_task_prompt, workload_prompt, workload_task
+
+    factory = PromptFactory(tiny_tokenizer)
+    text, continuation = workload_task(factory, "copy", 2048, 1, salt="measure/2048")
+    task = copy_task_prompt(factory, 2048, 1, salt="measure/2048/copy")
+    assert (text, continuation) == (task.text, task.continuation) and text == workload_prompt(
+        factory, "copy", 2048, 1, salt="measure/2048"
+    )
+    assert workload_task(factory, "code", 512, 1, salt="m") == (factory.prompt(512, 1, salt="m"), None)
+
+
 def test_copy_task_converges_where_a_filler_ending_in_a_newline_steps_over_the_length():
     """With the trained model's tokenizer, copy prompt #1 of 2,048 tokens once failed: every filler
     length either fell one short or one over (its trailing newline merged with the tail's)."""

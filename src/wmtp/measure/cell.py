@@ -36,7 +36,7 @@ from wmtp.measure.identity import cell_identity, check_identity, identity_hash
 from wmtp.measure.lock import device_key, device_lock
 from wmtp.measure.power import EnergyWindow, PowerMeter, open_meter
 from wmtp.measure.server import PortTaken, ServerProcess, free_port
-from wmtp.measure.workload import PromptFactory, chat_settings, workload_prompt
+from wmtp.measure.workload import PromptFactory, chat_settings, copied_tokens, workload_task
 
 log = logging.getLogger(__name__)
 
@@ -227,8 +227,8 @@ def _sweep_rung(
     protocol, c = run.protocol, run.cell.concurrency
     where = f"rung {rung}" if workload == "code" else f"rung {rung} ({workload})"
     log.info("%s: building %d prompt(s) of %d tokens", where, repeats * c, rung)
-    prompts = [
-        [workload_prompt(factory, workload, rung, rep * c + slot, salt=f"measure/{rung}") for slot in range(c)]
+    tasks = [
+        [workload_task(factory, workload, rung, rep * c + slot, salt=f"measure/{rung}") for slot in range(c)]
         for rep in range(repeats)
     ]
     before = engine.read_counters(base_url)
@@ -242,7 +242,7 @@ def _sweep_rung(
             meter,
             base_url,
             served,
-            prompts[rep],
+            [text for text, _ in tasks[rep]],
             workload,
             rung,
             rep,
@@ -251,6 +251,12 @@ def _sweep_rung(
             client,
             engine,
         )
+        for row in rows:
+            # Whether the target copies at all: a copy task it does not copy cannot show what a window costs.
+            continuation = tasks[rep][row["slot"]][1]
+            row["copied_tokens"] = (
+                None if continuation is None else copied_tokens(factory.decode, row["token_ids"] or [], continuation)
+            )
         run.rows += rows
         tok_s = [(r["completion_tokens"] - 1) / r["decode_s"] for r in rows if r["decode_s"] > 0]
         log.info(

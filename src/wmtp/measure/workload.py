@@ -337,10 +337,28 @@ def copy_task_prompt(
     raise PromptLengthError(f"no filler length near {filler_tokens} makes the copy task exactly {n_tokens} tokens")
 
 
+def workload_task(
+    factory: PromptFactory, workload: str, n_tokens: int, index: int, salt: str
+) -> tuple[str, str | None]:
+    """Prompt number ``index`` of exactly ``n_tokens`` tokens of ``workload`` (one of :data:`WORKLOADS`), and
+    the text a faithful copy goes on with (copy task), or None (code)."""
+    if workload == "code":
+        return factory.prompt(n_tokens, index, salt=salt), None
+    if workload == "copy":
+        task = copy_task_prompt(factory, n_tokens, index, salt=f"{salt}/copy")
+        return task.text, task.continuation
+    raise ValueError(f"unknown workload {workload!r}; expected one of {', '.join(WORKLOADS)}")
+
+
 def workload_prompt(factory: PromptFactory, workload: str, n_tokens: int, index: int, salt: str) -> str:
     """Prompt number ``index`` of exactly ``n_tokens`` tokens of ``workload`` (one of :data:`WORKLOADS`)."""
-    if workload == "code":
-        return factory.prompt(n_tokens, index, salt=salt)
-    if workload == "copy":
-        return copy_task_prompt(factory, n_tokens, index, salt=f"{salt}/copy").text
-    raise ValueError(f"unknown workload {workload!r}; expected one of {', '.join(WORKLOADS)}")
+    return workload_task(factory, workload, n_tokens, index, salt)[0]
+
+
+def copied_tokens(decode: Callable[[list[int]], str], token_ids: list[int], continuation: str) -> int:
+    """How many generated tokens in a row reproduce ``continuation`` (compared as text, so that a token that
+    spans the end of the cue and the start of the continuation still counts)."""
+    for i in range(len(token_ids)):
+        if not continuation.startswith(decode(token_ids[: i + 1])):
+            return i
+    return len(token_ids)

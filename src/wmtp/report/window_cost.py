@@ -9,6 +9,10 @@ reference at every distance: its ``distance / W`` is 0.
 
 Each point is the mean of per-request acceptances with a Student-t interval, plus the paired difference
 to the full draft on the same prompts (same workload, rung and prompt index), also with a t interval.
+
+All of it presumes that the model copies: a target that leaves the passage at once makes every draft guess,
+windowed or not, and the curve reads flat. So each point also carries how many tokens of the passage the
+output reproduced (``copied``, recorded by the cell), and the section says where that is too few to tell.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from wmtp.report.load import Section
 
 COPY_WORKLOAD = "copy"
 FULL_DRAFT_ARM = "mtp"
+# Fewer tokens of the passage than this reproduced on average, and the copy task does not test a window there.
+MIN_COPIED_TOKENS = 8
 
 #: One row per (arm, sink, window, rung): where the passage sat, how far that is in windows, and acceptance.
 COLUMNS: tuple[str, ...] = (
@@ -42,6 +48,7 @@ COLUMNS: tuple[str, ...] = (
     "vs_full",
     "vs_full_lo",
     "vs_full_hi",
+    "copied",
 )
 
 
@@ -71,6 +78,35 @@ def _prompt_key(frame: pd.DataFrame) -> str:
         if column in frame.columns:
             return column
     raise ValueError("the frame names no prompt ('index' or 'repeat'): acceptance cannot be paired")
+
+
+def _mean_copied(group: pd.DataFrame) -> float:
+    """Mean tokens of the passage the outputs reproduced; NaN where the cells did not record it."""
+    if "copied_tokens" not in group.columns:
+        return math.nan
+    values = pd.to_numeric(group["copied_tokens"], errors="coerce").dropna()
+    return float(values.mean()) if len(values) else math.nan
+
+
+def copying_notes(frame: pd.DataFrame, min_copied: float = MIN_COPIED_TOKENS) -> tuple[str, ...]:
+    """Where the copy task cannot show a window's cost: the full draft's outputs copied too little, or the
+    cells did not record how much they copied. ``frame`` is :func:`window_cost`'s."""
+    full = frame[frame["arm"] == FULL_DRAFT_ARM]
+    if full.empty:
+        return ()
+    if full["copied"].isna().all():
+        return (
+            "these cells did not record how much of the passage the model reproduced: whether it copies at all, "
+            "and so whether this curve can show a window's cost, is not known",
+        )
+    notes = []
+    for rung, copied in zip(full["rung"], full["copied"], strict=True):
+        if np.isfinite(copied) and copied < min_copied:
+            notes.append(
+                f"at {int(rung):,} tokens the model reproduced {copied:.1f} tokens of the passage on average: it "
+                "hardly copies there, so every draft guesses and the copy task cannot show what a window costs"
+            )
+    return tuple(notes)
 
 
 def window_cost(frame: pd.DataFrame, lead_tokens: int | None = None, level: float = 0.95) -> pd.DataFrame:
@@ -120,6 +156,7 @@ def window_cost(frame: pd.DataFrame, lead_tokens: int | None = None, level: floa
                 "vs_full": diff.value,
                 "vs_full_lo": max(diff.lo, -1.0),
                 "vs_full_hi": min(diff.hi, 1.0),
+                "copied": _mean_copied(g),
             }
         )
     out = pd.DataFrame(rows, columns=list(COLUMNS))
@@ -138,7 +175,7 @@ def window_cost_section(requests: pd.DataFrame, lead_tokens: int | None = COPY_L
     frame = window_cost(requests, lead_tokens)
     if frame["acceptance"].isna().all():
         return Section(notes=("the spec-decode counters did not move on the copy task: no acceptance to show",))
-    return Section(frame)
+    return Section(frame, copying_notes(frame))
 
 
 def window_cost_display(section: Section) -> pd.DataFrame:
@@ -166,6 +203,7 @@ def window_cost_display(section: Section) -> pd.DataFrame:
                 "" if not np.isfinite(v) else f"{pct(v)} [{pct(lo)}, {pct(hi)}]"
                 for v, lo, hi in zip(f["vs_full"], f["vs_full_lo"], f["vs_full_hi"], strict=True)
             ],
+            "passage copied (tokens)": ["" if not np.isfinite(c) else f"{c:.1f}" for c in f["copied"]],
             "n": f["n"],
         }
     )

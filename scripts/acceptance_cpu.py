@@ -165,7 +165,7 @@ def run_arm(
                     "copied_tokens": (
                         None
                         if p["continuation"] is None
-                        else copied_tokens(factory.decode, result.token_ids, p["continuation"])
+                        else copied_tokens(factory.token_count, result.text, p["continuation"])
                     ),
                     "token_ids": " ".join(map(str, result.token_ids)),
                 }

@@ -80,19 +80,18 @@ def test_copy_passage_is_random_tokens_that_only_its_earlier_occurrence_predicts
     assert probe not in factory.corpus.text, "and nowhere in the text the lead-in and filler come from"
 
 
-def test_copied_tokens_counts_the_generated_tokens_that_go_on_with_the_passage():
+def test_copied_tokens_counts_the_output_tokens_that_go_on_with_the_passage(tiny_tokenizer):
     from wmtp.measure.workload import copied_tokens
 
-    pieces = {1: "ab", 2: "c", 3: "d", 4: "x", 5: "cd"}
-
-    def decode(ids: list[int]) -> str:
-        return "".join(pieces[i] for i in ids)
-
-    assert copied_tokens(decode, [1, 2, 3], "abcde") == 3
-    assert copied_tokens(decode, [1, 4, 2], "abcde") == 1  # a miss ends the copy, even if it comes back
-    assert copied_tokens(decode, [4, 1], "abcde") == 0
-    assert copied_tokens(decode, [1, 5], "abcd") == 2  # tokens need not split where the passage's did
-    assert copied_tokens(decode, [], "abc") == 0
+    factory = PromptFactory(tiny_tokenizer)
+    continuation = factory.random_tokens(64, 0, salt="c")
+    ids = factory.tokenizer.encode(continuation, add_special_tokens=False).ids
+    ten = factory.decode(ids[:10])
+    assert copied_tokens(factory.token_count, continuation, continuation) == len(ids) == 64
+    assert copied_tokens(factory.token_count, ten, continuation) == 10
+    assert copied_tokens(factory.token_count, ten + "\x00 and then something else", continuation) == 10
+    assert copied_tokens(factory.token_count, "\x00" + continuation, continuation) == 0  # a miss ends the copy
+    assert copied_tokens(factory.token_count, "", continuation) == 0
 
 
 def test_workload_task_gives_the_copy_tasks_continuation(tiny_tokenizer):

@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,8 +140,13 @@ def _measure(
     warmup: bool,
     client: httpx.Client,
     engine: EngineAdapter,
+    copied_of: Callable[[int, str], int | None] = lambda slot, output: None,
 ) -> list[dict[str, Any]]:
-    """One repeat: ``len(prompts)`` concurrent requests. Energy windows and counters per request at concurrency 1."""
+    """One repeat: ``len(prompts)`` concurrent requests. Energy windows and counters per request at concurrency 1.
+
+    ``copied_of(slot, output text)``: how many tokens of its copy-task passage a request reproduced (None for a
+    prompt without one), recorded as ``copied_tokens``.
+    """
     per_request_windows = len(prompts) == 1 and not warmup and meter.available
     # Alone on the server, a request owns every counter increment between two snapshots: acceptance gets one
     # value per request, so its noise enters the intervals (two /metrics reads, milliseconds).
@@ -204,11 +209,16 @@ def _measure(
         run.windows += [w for w in (prefill_w, decode_w) if w is not None]
         rows.append(_request_row(run.cell, workload, rung, repeat, slot, warmup, result, prefill_w, decode_w))
         rows[-1].update(engine.request_fields(result.extensions))
+        rows[-1]["copied_tokens"] = copied_of(slot, result.text)
     if per_request_counters and counters_before:
         after = engine.read_counters(base_url)
         # Raw differences, negative ones included: a counter that went backwards is screened out downstream.
         rows[0].update({f"d_{k}": after.get(k, 0.0) - counters_before.get(k, 0.0) for k in sorted(set(after))})
     return rows
+
+
+def _copied(factory: PromptFactory, output: str, continuation: str | None) -> int | None:
+    return None if continuation is None else copied_tokens(factory.token_count, output, continuation)
 
 
 def _sweep_rung(
@@ -250,13 +260,9 @@ def _sweep_rung(
             False,
             client,
             engine,
-        )
-        for row in rows:
             # Whether the target copies at all: a copy task it does not copy cannot show what a window costs.
-            continuation = tasks[rep][row["slot"]][1]
-            row["copied_tokens"] = (
-                None if continuation is None else copied_tokens(factory.decode, row["token_ids"] or [], continuation)
-            )
+            copied_of=lambda slot, text, rep=rep: _copied(factory, text, tasks[rep][slot][1]),
+        )
         run.rows += rows
         tok_s = [(r["completion_tokens"] - 1) / r["decode_s"] for r in rows if r["decode_s"] > 0]
         log.info(

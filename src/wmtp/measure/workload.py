@@ -199,6 +199,10 @@ class PromptFactory:
         # Count as the server does for a completion: with the tokenizer's own special tokens.
         return self.tokenizer.encode(text, add_special_tokens=True).ids
 
+    def token_count(self, text: str) -> int:
+        """Tokens of ``text`` on its own, without special tokens."""
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids) if text else 0
+
     def length(self, content: str) -> int:
         """The prompt's length as the server counts it: the chat endpoint tokenizes the rendered template
         without adding special tokens (the template writes its own), the completions endpoint adds them."""
@@ -355,10 +359,12 @@ def workload_prompt(factory: PromptFactory, workload: str, n_tokens: int, index:
     return workload_task(factory, workload, n_tokens, index, salt)[0]
 
 
-def copied_tokens(decode: Callable[[list[int]], str], token_ids: list[int], continuation: str) -> int:
-    """How many generated tokens in a row reproduce ``continuation`` (compared as text, so that a token that
-    spans the end of the cue and the start of the continuation still counts)."""
-    for i in range(len(token_ids)):
-        if not continuation.startswith(decode(token_ids[: i + 1])):
-            return i
-    return len(token_ids)
+def copied_tokens(count_tokens: Callable[[str], int], output: str, continuation: str) -> int:
+    """How many tokens of ``continuation`` the generated ``output`` reproduces before it leaves it: the tokens
+    of their common prefix (compared as text, so that it needs no token ids and a token that spans the end of
+    the cue and the start of the continuation still counts)."""
+    shared = next(
+        (i for i, (a, b) in enumerate(zip(output, continuation, strict=False)) if a != b),
+        min(len(output), len(continuation)),
+    )
+    return count_tokens(continuation[:shared])

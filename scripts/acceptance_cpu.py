@@ -162,11 +162,7 @@ def run_arm(
                     "draft_tokens": d.get("draft_tokens", 0.0),
                     "accepted": d.get("accepted", 0.0),
                     **{f"accepted_pos_{i}": d.get(f"accepted_pos_{i}", 0.0) for i in range(args.k)},
-                    "copied_tokens": (
-                        None
-                        if p["continuation"] is None
-                        else copied_tokens(factory.token_count, result.text, p["continuation"])
-                    ),
+                    "copied_tokens": copied_tokens(factory.token_count, result.text, p["continuation"]),
                     "token_ids": " ".join(map(str, result.token_ids)),
                 }
                 rows.append(row)

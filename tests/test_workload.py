@@ -92,6 +92,7 @@ def test_copied_tokens_counts_the_output_tokens_that_go_on_with_the_passage(tiny
     assert copied_tokens(factory.token_count, ten + "\x00 and then something else", continuation) == 10
     assert copied_tokens(factory.token_count, "\x00" + continuation, continuation) == 0  # a miss ends the copy
     assert copied_tokens(factory.token_count, "", continuation) == 0
+    assert copied_tokens(factory.token_count, continuation, None) is None  # a code prompt has no passage
 
 
 def test_workload_task_gives_the_copy_tasks_continuation(tiny_tokenizer):

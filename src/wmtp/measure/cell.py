@@ -217,10 +217,6 @@ def _measure(
     return rows
 
 
-def _copied(factory: PromptFactory, output: str, continuation: str | None) -> int | None:
-    return None if continuation is None else copied_tokens(factory.token_count, output, continuation)
-
-
 def _sweep_rung(
     run: CellRun,
     meter: PowerMeter,
@@ -261,7 +257,7 @@ def _sweep_rung(
             client,
             engine,
             # Whether the target copies at all: a copy task it does not copy cannot show what a window costs.
-            copied_of=lambda slot, text, rep=rep: _copied(factory, text, tasks[rep][slot][1]),
+            copied_of=lambda slot, text, rep=rep: copied_tokens(factory.token_count, text, tasks[rep][slot][1]),
         )
         run.rows += rows
         tok_s = [(r["completion_tokens"] - 1) / r["decode_s"] for r in rows if r["decode_s"] > 0]

@@ -359,10 +359,12 @@ def workload_prompt(factory: PromptFactory, workload: str, n_tokens: int, index:
     return workload_task(factory, workload, n_tokens, index, salt)[0]
 
 
-def copied_tokens(count_tokens: Callable[[str], int], output: str, continuation: str) -> int:
+def copied_tokens(count_tokens: Callable[[str], int], output: str, continuation: str | None) -> int | None:
     """How many tokens of ``continuation`` the generated ``output`` reproduces before it leaves it: the tokens
     of their common prefix (compared as text, so that it needs no token ids and a token that spans the end of
-    the cue and the start of the continuation still counts)."""
+    the cue and the start of the continuation still counts). None for a prompt without a passage."""
+    if continuation is None:
+        return None
     shared = next(
         (i for i, (a, b) in enumerate(zip(output, continuation, strict=False)) if a != b),
         min(len(output), len(continuation)),

@@ -170,3 +170,16 @@ def test_check_config_lists_cells_and_the_sweep(repo, capsys):
     assert "is valid: 5 cells" in out
     assert "rungs 1024, 4096, 16384 × repeats [5, 5, 5] on workloads code, copy" in out
     assert "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~4096/c~1" in out
+
+
+def test_the_copy_tasks_construction_is_part_of_a_cells_identity(embedded_raw, monkeypatch):
+    from wmtp.measure import identity
+
+    study = study_from_dict(embedded_raw)
+    cell = study.cells()[1]
+    before = identity.identity_hash(identity.cell_identity(study, cell))
+    assert identity.protocol_identity(study)["copy_task"]["prompts"] == identity.COPY_TASK_PROMPTS
+    monkeypatch.setattr(identity, "COPY_TASK_PROMPTS", "another construction")
+    assert identity.identity_hash(identity.cell_identity(study, cell)) != before
+    embedded_raw["protocol"]["workloads"] = ["code"]
+    assert "copy_task" not in identity.protocol_identity(study_from_dict(embedded_raw))

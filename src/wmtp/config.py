@@ -38,6 +38,9 @@ WORKLOADS = ("code", "copy")
 COPY_LEAD_TOKENS = 512
 COPY_PASSAGE_TOKENS = 256
 COPY_CUE_TOKENS = 32
+# How the copy task's prompts are built (wmtp.measure.workload.copy_task_prompt), named so that changing it reruns
+# the cells that measured the old prompts (wmtp.measure.identity). Change the name with the construction.
+COPY_TASK_PROMPTS = "passage of random vocabulary tokens"
 # The shortest prompt a copy task fits in with its defaults: lead-in, passage, cue, separators and filler.
 COPY_MIN_TOKENS = COPY_LEAD_TOKENS + COPY_PASSAGE_TOKENS + COPY_CUE_TOKENS + 64
 # The max_position_embeddings of every generated checkpoint (wmtp.model.tiny's TinyShape and train's TRAINED_SHAPE):

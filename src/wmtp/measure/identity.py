@@ -14,7 +14,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from wmtp.config import DRAFTING_ARMS, WINDOWED_ARMS, Cell, Study
+from wmtp.config import (
+    COPY_CUE_TOKENS,
+    COPY_LEAD_TOKENS,
+    COPY_PASSAGE_TOKENS,
+    COPY_TASK_PROMPTS,
+    DRAFTING_ARMS,
+    WINDOWED_ARMS,
+    Cell,
+    Study,
+)
 from wmtp.engines.build import spec_hash
 
 # Settings that bound how long the pipeline waits, not what it measures.
@@ -28,8 +37,18 @@ class IdentityMismatch(RuntimeError):
 
 
 def protocol_identity(study: Study) -> dict[str, Any]:
+    """The protocol's measured settings, and the copy task's shape where the study runs it: its prompts are
+    built by code, not read from the study file, so a change there must change the identity too."""
     protocol = study.protocol.model_dump(mode="json")
-    return {key: value for key, value in sorted(protocol.items()) if key not in NOT_MEASURED}
+    identity = {key: value for key, value in sorted(protocol.items()) if key not in NOT_MEASURED}
+    if "copy" in protocol["workloads"]:
+        identity["copy_task"] = {
+            "lead_tokens": COPY_LEAD_TOKENS,
+            "passage_tokens": COPY_PASSAGE_TOKENS,
+            "cue_tokens": COPY_CUE_TOKENS,
+            "prompts": COPY_TASK_PROMPTS,
+        }
+    return identity
 
 
 def model_fingerprint(model_dir: Path) -> str:

@@ -129,10 +129,16 @@ def test_the_section_says_where_the_model_does_not_copy():
     frame["copied_tokens"] = [None if w == "plain" else 30 for w in frame["workload"]]
     section = window_cost_section(frame)
     assert section.notes == () and set(section.frame["copied"]) == {30.0}
-    assert set(window_cost_display(section)["passage copied (tokens)"]) == {"30.0"}
+    # every prompt copied 30 tokens: the interval collapses onto the mean
+    assert set(window_cost_display(section)["passage copied, tokens [95 %]"]) == {"30.0 [30.0, 30.0]"}
     # At 4K the outputs leave the passage at once: the curve cannot show a window's cost there.
     frame.loc[(frame["rung"] == 4096) & (frame["workload"] == "copy"), "copied_tokens"] = MIN_COPIED_TOKENS - 1
     (note,) = window_cost_section(frame).notes
     assert note.startswith("at 4,096 tokens the model reproduced 7.0 tokens") and "cannot show" in note
+    frame["copied_tokens"] = [
+        None if w == "plain" else 20 + 10 * i for w, i in zip(frame["workload"], frame["index"], strict=True)
+    ]
+    spread = window_cost_section(frame).frame
+    assert (spread["copied"] == 30.0).all() and (spread["copied_lo"] < 30).all() and (spread["copied_hi"] > 30).all()
     (unknown,) = window_cost_section(_requests()).notes  # cells that did not record it
     assert "not known" in unknown

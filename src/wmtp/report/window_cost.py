@@ -49,6 +49,8 @@ COLUMNS: tuple[str, ...] = (
     "vs_full_lo",
     "vs_full_hi",
     "copied",
+    "copied_lo",
+    "copied_hi",
 )
 
 
@@ -80,12 +82,11 @@ def _prompt_key(frame: pd.DataFrame) -> str:
     raise ValueError("the frame names no prompt ('index' or 'repeat'): acceptance cannot be paired")
 
 
-def _mean_copied(group: pd.DataFrame) -> float:
-    """Mean tokens of the passage the outputs reproduced; NaN where the cells did not record it."""
+def _copied(group: pd.DataFrame, level: float) -> Interval:
+    """Mean tokens of the passage the outputs reproduced, with a t interval; NaN where the cells did not record it."""
     if "copied_tokens" not in group.columns:
-        return math.nan
-    values = pd.to_numeric(group["copied_tokens"], errors="coerce").dropna()
-    return float(values.mean()) if len(values) else math.nan
+        return Interval(math.nan, math.nan, math.nan, 0)
+    return mean_interval(pd.to_numeric(group["copied_tokens"], errors="coerce").dropna().to_numpy(float), level)
 
 
 def copying_notes(frame: pd.DataFrame, min_copied: float = MIN_COPIED_TOKENS) -> tuple[str, ...]:
@@ -137,6 +138,7 @@ def window_cost(frame: pd.DataFrame, lead_tokens: int | None = None, level: floa
             if paired and arm != FULL_DRAFT_ARM
             else Interval(math.nan, math.nan, math.nan, 0)
         )
+        copied = _copied(g, level)
         distance = float(g["_distance"].mean())
         has_window = window is not None and float(window) > 0
         rows.append(
@@ -156,7 +158,10 @@ def window_cost(frame: pd.DataFrame, lead_tokens: int | None = None, level: floa
                 "vs_full": diff.value,
                 "vs_full_lo": max(diff.lo, -1.0),
                 "vs_full_hi": min(diff.hi, 1.0),
-                "copied": _mean_copied(g),
+                # Tokens lie in [0, output length]: the t interval is clipped at 0 only (the length is not here).
+                "copied": copied.value,
+                "copied_lo": max(copied.lo, 0.0),
+                "copied_hi": copied.hi,
             }
         )
     out = pd.DataFrame(rows, columns=list(COLUMNS))
@@ -203,7 +208,10 @@ def window_cost_display(section: Section) -> pd.DataFrame:
                 "" if not np.isfinite(v) else f"{pct(v)} [{pct(lo)}, {pct(hi)}]"
                 for v, lo, hi in zip(f["vs_full"], f["vs_full_lo"], f["vs_full_hi"], strict=True)
             ],
-            "passage copied (tokens)": ["" if not np.isfinite(c) else f"{c:.1f}" for c in f["copied"]],
+            "passage copied, tokens [95 %]": [
+                "" if not np.isfinite(c) else f"{c:.1f} [{lo:.1f}, {hi:.1f}]" if np.isfinite(lo) else f"{c:.1f}"
+                for c, lo, hi in zip(f["copied"], f["copied_lo"], f["copied_hi"], strict=True)
+            ],
             "n": f["n"],
         }
     )

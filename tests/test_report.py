@@ -438,6 +438,10 @@ def test_acceptance_display_without_workloads(full_tidy_dir):
     assert list(shown.columns) == ["series", "2K", "32K", "131K"], list(shown.columns)
     mtp = shown[shown["series"] == "mtp k=3"].iloc[0]
     assert mtp["2K"].endswith("(3.36)") and mtp["2K"].startswith("78.")
+    # a pooled count per rung: the section says over how many requests, and that it carries no interval
+    (note,) = data.acceptance.notes
+    counts = data.tidy.requests.groupby(["cell_id", "workload", "rung"]).size()
+    assert f"over a rung's {counts.min()}" in note and "no interval" in note
 
 
 def test_the_papers_claim_is_set_against_the_ceiling_with_the_committed_h200_replica(tmp_path):

@@ -300,7 +300,25 @@ def acceptance_section(tidy: Tidy) -> Section:
     frame = frame[pd.to_numeric(frame["tok_per_verify"], errors="coerce").notna()] if not frame.empty else frame
     if frame.empty:
         return Section(notes=("the spec-decode counters did not move: no acceptance to show",))
-    return Section(arm_order(add_labels(frame, tidy.rungs)))
+    return Section(arm_order(add_labels(frame, tidy.rungs)), (pooled_acceptance_note(tidy.requests),))
+
+
+def pooled_acceptance_note(requests: pd.DataFrame) -> str:
+    """What the acceptance table's values are: one pooled count per rung, over how many requests."""
+    keys = [k for k in ("cell_id", "workload", "rung") if k in requests.columns]
+    counts = requests.groupby(keys).size() if len(keys) == 3 and not requests.empty else pd.Series(dtype=int)
+    n = (
+        ""
+        if counts.empty
+        else f"{counts.min()} "
+        if counts.min() == counts.max()
+        else f"{counts.min()}–{counts.max()} "
+    )
+    return (
+        f"each value pools the engine's spec-decode counters over a rung's {n}requests (accepted / drafted "
+        "tokens; tokens per verify in brackets): one count per rung, with no interval. Intervals over requests "
+        "are in the answer above and, on the copy task, under 'What the window costs'."
+    )
 
 
 def acceptance_display(section: Section) -> pd.DataFrame:

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from wmtp.analyze.answer import answer_table, sentence
-from wmtp.analyze.tidy import STEP_FLOOR_FACTOR, exclusion_reason, screen_requests
+from wmtp.analyze.tidy import STEP_FLOOR_FACTOR, counter_impossibility, exclusion_reason, screen_requests
 
 
 def _requests(step_ms: dict[str, list[float]], rung: int = 4096, accepted: dict[str, list[float]] | None = None):
@@ -45,8 +45,30 @@ def test_exclusion_reasons():
     assert exclusion_reason(1, 0.5, 0.01, []) == "no decode window (fewer than 2 tokens)"
     assert exclusion_reason(64, 0.0, 0.01, []) == "zero-length decode window"
     assert exclusion_reason(64, 63 * 0.0001, 0.01, []).startswith("decode step 0.1 ms < floor 10 ms")
-    assert exclusion_reason(64, 63 * 0.02, 0.01, [3.0, -1.0]) == "a spec-decode counter went backwards"
-    assert exclusion_reason(64, 63 * 0.02, 0.01, [3.0, float("nan")]) == ""
+    backwards = {"d_drafts": 3.0, "d_accepted": -1.0}
+    assert exclusion_reason(64, 63 * 0.02, 0.01, backwards) == "a spec-decode counter went backwards"
+    assert exclusion_reason(64, 63 * 0.02, 0.01, {"d_drafts": 3.0, "d_accepted": float("nan")}) == ""
+
+
+def test_counters_that_cannot_all_be_true_are_screened():
+    possible = {"d_drafts": 20.0, "d_draft_tokens": 60.0, "d_accepted": 43.0, "d_accepted_pos_0": 20.0}
+    assert counter_impossibility(possible, k=3) == ""
+    assert counter_impossibility({**possible, "d_accepted": 150.0}, k=3) == "accepted 150 draft tokens of 60 drafted"
+    assert counter_impossibility({**possible, "d_draft_tokens": 61.0}, k=3).startswith("61 draft tokens in 20 drafts")
+    assert counter_impossibility({**possible, "d_draft_tokens": 61.0}, k=None) == ""  # k unknown: not checked
+    assert counter_impossibility({**possible, "d_accepted_pos_0": 21.0}, k=3).startswith("accepted at draft position 0")
+
+
+def test_acceptance_above_one_is_excluded_and_counted():
+    """Counters that say a request accepted more than it drafted give it no acceptance at all, not 2.5."""
+    requests = _requests({"none": [12.0, 12.5, 11.8], "mtp": [10.0, 10.2, 9.5]}, accepted={"mtp": [24, 150, 30]})
+    screened = screen_requests(requests)
+    bad = screened[screened["excluded"]]
+    assert list(bad["arm"]) == ["mtp"] and list(bad["repeat"]) == [1]
+    assert bad["exclusion"].iloc[0].startswith("accepted 150 draft tokens")
+    assert math.isnan(bad["req_acceptance"].iloc[0])
+    kept = screened[(screened["arm"] == "mtp") & ~screened["excluded"]]
+    assert kept["req_acceptance"].between(0, 1).all()
 
 
 def test_a_burst_of_tokens_is_screened_and_drops_out_of_its_pair():

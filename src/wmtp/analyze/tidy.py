@@ -118,7 +118,36 @@ def _per_request_acceptance(frame: pd.DataFrame) -> None:
     ]
 
 
-def exclusion_reason(completion_tokens: int, decode_s: float, step_floor_s: float, counter_deltas: list[float]) -> str:
+def counter_impossibility(counters: dict[str, float], k: float | None = None) -> str:
+    """Why a request's spec-decode counter deltas cannot all be true, or '' when they can.
+
+    ``counters`` maps the tidy column (``d_drafts``, ``d_draft_tokens``, ``d_accepted``, ``d_accepted_pos_<i>``)
+    to its delta over the request; NaN means not recorded. A draft proposes at most ``k`` tokens and the target
+    accepts at most what was drafted, at every position at most once per draft.
+    """
+    known = {name: value for name, value in counters.items() if not math.isnan(value)}
+    if any(value < 0 for value in known.values()):
+        return "a spec-decode counter went backwards"
+    drafts, tokens, accepted = (known.get(name) for name in ("d_drafts", "d_draft_tokens", "d_accepted"))
+    if accepted is not None and tokens is not None and accepted > tokens:
+        return f"accepted {accepted:g} draft tokens of {tokens:g} drafted"
+    if tokens is not None and drafts is not None and k is not None and not math.isnan(k) and tokens > k * drafts:
+        return f"{tokens:g} draft tokens in {drafts:g} drafts of at most k = {k:g}"
+    if drafts is not None:
+        for name, value in sorted(known.items()):
+            if name.startswith("d_accepted_pos_") and value > drafts:
+                position = name.removeprefix("d_accepted_pos_")
+                return f"accepted at draft position {position} {value:g} times in {drafts:g} drafts"
+    return ""
+
+
+def exclusion_reason(
+    completion_tokens: int,
+    decode_s: float,
+    step_floor_s: float,
+    counters: dict[str, float] | None = None,
+    k: float | None = None,
+) -> str:
     """Why a request's numbers are physically impossible, or '' when they are not."""
     if completion_tokens < 2:
         return "no decode window (fewer than 2 tokens)"
@@ -126,9 +155,7 @@ def exclusion_reason(completion_tokens: int, decode_s: float, step_floor_s: floa
         return "zero-length decode window"
     if decode_s / (completion_tokens - 1) < step_floor_s:
         return f"decode step {1e3 * decode_s / (completion_tokens - 1):.3g} ms < floor {1e3 * step_floor_s:.3g} ms"
-    if any(d < 0 for d in counter_deltas if not math.isnan(d)):
-        return "a spec-decode counter went backwards"
-    return ""
+    return counter_impossibility(counters or {}, k)
 
 
 def screen_requests(frame: pd.DataFrame) -> pd.DataFrame:
@@ -143,9 +170,16 @@ def screen_requests(frame: pd.DataFrame) -> pd.DataFrame:
     medians = step[shortest & (step > 0)].median()
     floor = medians / STEP_FLOOR_FACTOR if pd.notna(medians) else 0.0
     delta_columns = [c for c in frame.columns if str(c).startswith("d_")]
+    ks = frame["k"] if "k" in frame.columns else pd.Series(math.nan, index=frame.index)
     frame["exclusion"] = [
-        exclusion_reason(int(c), float(d), floor, [float(row[k]) for k in delta_columns])
-        for c, d, (_, row) in zip(frame["completion_tokens"], frame["decode_s"], frame.iterrows(), strict=True)
+        exclusion_reason(
+            int(c),
+            float(d),
+            floor,
+            {name: float(row[name]) for name in delta_columns},
+            None if pd.isna(k) else float(k),
+        )
+        for c, d, k, (_, row) in zip(frame["completion_tokens"], frame["decode_s"], ks, frame.iterrows(), strict=True)
     ]
     frame["excluded"] = frame["exclusion"] != ""
     rates = [c for c in ("decode_tok_s", "tok_per_j", "req_tok_per_verify", "req_acceptance") if c in frame.columns]

@@ -183,3 +183,22 @@ def test_the_copy_tasks_construction_is_part_of_a_cells_identity(embedded_raw, m
     assert identity.identity_hash(identity.cell_identity(study, cell)) != before
     embedded_raw["protocol"]["workloads"] = ["code"]
     assert "copy_task" not in identity.protocol_identity(study_from_dict(embedded_raw))
+
+
+@pytest.mark.parametrize("study_file", ["config.yaml", "studies/paper-1m.yaml", "studies/spark-128k.yaml"])
+def test_a_cell_recomputes_the_identity_the_workflow_planned(repo, study_file):
+    """The workflow plans each cell's identity on the whole study; the cell job recomputes it on the study
+    narrowed to itself (its one arm setting and one concurrency). They must agree for every cell, or no cell of
+    a study with several concurrencies could run; and cells that differ only in concurrency share a protocol."""
+    from wmtp.measure.identity import cell_identity, cell_study, identity_hash
+
+    study = load_study(repo / "config" / study_file)
+    protocols = set()
+    for cell in study.cells():
+        narrowed = study_from_dict(cell_study(study, cell))
+        (own,) = narrowed.cells()
+        assert own.cell_id == cell.cell_id
+        planned, recomputed = cell_identity(study, cell), cell_identity(narrowed, own)
+        assert identity_hash(recomputed) == identity_hash(planned), (cell.cell_id, planned, recomputed)
+        protocols.add(identity_hash(recomputed["protocol"]))
+    assert len(protocols) == 1

@@ -28,6 +28,9 @@ from wmtp.engines.build import spec_hash
 
 # Settings that bound how long the pipeline waits, not what it measures.
 NOT_MEASURED = ("health_timeout_s", "request_timeout_s")
+# The protocol's list of concurrencies makes cells, one per value; each cell carries its own, so the list is not
+# part of what any one cell measured (a cell job sees the study narrowed to its own concurrency).
+PER_CELL = ("concurrency",)
 # Files up to this size are hashed by content (configs, tokenizers); larger ones (weights) by name and size.
 CONTENT_HASH_MAX_BYTES = 4 * 1024 * 1024
 
@@ -40,7 +43,7 @@ def protocol_identity(study: Study) -> dict[str, Any]:
     """The protocol's measured settings, and the copy task's shape where the study runs it: its prompts are
     built by code, not read from the study file, so a change there must change the identity too."""
     protocol = study.protocol.model_dump(mode="json")
-    identity = {key: value for key, value in sorted(protocol.items()) if key not in NOT_MEASURED}
+    identity = {key: value for key, value in sorted(protocol.items()) if key not in (*NOT_MEASURED, *PER_CELL)}
     if "copy" in protocol["workloads"]:
         identity["copy_task"] = {
             "lead_tokens": COPY_LEAD_TOKENS,

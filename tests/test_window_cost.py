@@ -142,3 +142,28 @@ def test_the_section_says_where_the_model_does_not_copy():
     assert (spread["copied"] == 30.0).all() and (spread["copied_lo"] < 30).all() and (spread["copied_hi"] > 30).all()
     (unknown,) = window_cost_section(_requests()).notes  # cells that did not record it
     assert "not known" in unknown
+
+
+def test_each_setting_is_its_own_row_and_pairs_only_with_its_own_full_draft():
+    """Two models, and a windowed draft at k = 1 next to k = 3: nothing pools across them, and a draft with no
+    full draft of its own depth has no paired difference rather than one against another depth's."""
+    frames = []
+    for model, full_acc in (("a", 0.9), ("b", 0.5)):
+        frame = _requests().assign(model=model, k=3)
+        frame.loc[frame["arm"] == "mtp", "accepted"] = 100 * full_acc
+        shallow = frame[(frame["arm"] == "wmtp") & (frame["window"] == 256)].assign(k=1, accepted=65.0)
+        frames += [frame, shallow]
+    out = window_cost(pd.concat(frames, ignore_index=True))
+    assert list(out.columns[:2]) == ["model", "k"]
+    assert set(out["n"]) == {3}
+    narrow = out[(out["window"] == 256) & (out["rung"] == 1024)].set_index(["model", "k"])
+    assert narrow.loc[("a", 1), "acceptance"] == pytest.approx(0.65) and math.isnan(narrow.loc[("a", 1), "vs_full"])
+    # wmtp W=256 accepts 0.4-0.42 in both models' frames: against its own model's full draft, not the other's.
+    assert narrow.loc[("a", 3), "vs_full"] == pytest.approx(0.41 - 0.9)
+    assert narrow.loc[("b", 3), "vs_full"] == pytest.approx(0.41 - 0.5)
+
+
+def test_two_full_drafts_for_one_prompt_are_refused():
+    frame = _requests()
+    with pytest.raises(ValueError, match="share one prompt"):
+        window_cost(pd.concat([frame, frame[frame["arm"] == "mtp"]], ignore_index=True))

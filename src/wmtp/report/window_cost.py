@@ -8,7 +8,8 @@ fall towards what a draft without the passage guesses. The full draft (arm ``mtp
 reference at every distance: its ``distance / W`` is 0.
 
 Each point is the mean of per-request acceptances with a Student-t interval, plus the paired difference
-to the full draft on the same prompts (same workload, rung and prompt index), also with a t interval.
+to the full draft on the same prompts (same model, engine, concurrency, draft depth k, rung and prompt),
+also with a t interval.
 
 All of it presumes that the model copies: a target that leaves the passage at once makes every draft guess,
 windowed or not, and the curve reads flat. So each point also carries how many tokens of the passage the
@@ -32,7 +33,12 @@ FULL_DRAFT_ARM = "mtp"
 # Fewer tokens of the passage than this reproduced on average, and the copy task does not test a window there.
 MIN_COPIED_TOKENS = 8
 
-#: One row per (arm, sink, window, rung): where the passage sat, how far that is in windows, and acceptance.
+#: What else tells the rows of a study apart; each present in the requests leads the output, and a windowed
+#: draft is compared only with the full draft of the same model, engine, concurrency and draft depth k.
+SETTING_KEYS: tuple[str, ...] = ("model", "engine", "concurrency", "k")
+
+#: One row per (setting, arm, sink, window, rung): where the passage sat, how far that is in windows, and
+#: acceptance; the columns of :data:`SETTING_KEYS` that the requests carry come first.
 COLUMNS: tuple[str, ...] = (
     "arm",
     "sink",
@@ -75,11 +81,17 @@ def request_acceptance(frame: pd.DataFrame) -> pd.Series:
     return (pd.to_numeric(frame["accepted"]).astype(float) / tokens.where(tokens > 0)).astype(float)
 
 
-def _prompt_key(frame: pd.DataFrame) -> str:
+def _prompt_keys(frame: pd.DataFrame) -> list[str]:
+    """The columns that name one prompt within a rung: its index (and the slot, with several at once)."""
     for column in ("index", "repeat"):
         if column in frame.columns:
-            return column
+            return [column, *(["slot"] if "slot" in frame.columns else [])]
     raise ValueError("the frame names no prompt ('index' or 'repeat'): acceptance cannot be paired")
+
+
+def setting_keys(frame: pd.DataFrame) -> list[str]:
+    """The :data:`SETTING_KEYS` that ``frame`` carries."""
+    return [column for column in SETTING_KEYS if column in frame.columns]
 
 
 def _copied(group: pd.DataFrame, level: float) -> Interval:
@@ -101,11 +113,15 @@ def copying_notes(frame: pd.DataFrame, min_copied: float = MIN_COPIED_TOKENS) ->
             "and so whether this curve can show a window's cost, is not known",
         )
     notes = []
-    for rung, copied in zip(full["rung"], full["copied"], strict=True):
+    several = full["rung"].duplicated().any()
+    for _, row in full.iterrows():
+        copied = row["copied"]
         if np.isfinite(copied) and copied < min_copied:
+            which = f" ({draft_label(row, full)})" if several else ""
             notes.append(
-                f"at {int(rung):,} tokens the model reproduced {copied:.1f} tokens of the passage on average: it "
-                "hardly copies there, so every draft guesses and the copy task cannot show what a window costs"
+                f"at {int(row['rung']):,} tokens{which} the model reproduced {copied:.1f} tokens of the passage on "
+                "average: it hardly copies there, so every draft guesses and the copy task cannot show what a "
+                "window costs"
             )
     return tuple(notes)
 
@@ -123,15 +139,24 @@ def window_cost(frame: pd.DataFrame, lead_tokens: int | None = None, level: floa
     f = f[f["arm"] != "none"].copy()
     if f.empty:
         return pd.DataFrame(columns=list(COLUMNS))
-    key = _prompt_key(f)
+    settings = setting_keys(f)
+    pair_keys = [*settings, "rung", *_prompt_keys(f)]
     f["_acceptance"] = request_acceptance(f)
     f["_distance"] = passage_distance(f, lead_tokens)
-    full = f[f["arm"] == FULL_DRAFT_ARM].set_index(["rung", key])["_acceptance"]
+    full = f[f["arm"] == FULL_DRAFT_ARM].set_index(pair_keys)["_acceptance"]
+    if full.index.has_duplicates:
+        raise ValueError(
+            f"two full-draft requests share one prompt ({', '.join(pair_keys)}): something else varies between "
+            "them, so a windowed draft's paired difference would be ambiguous"
+        )
     rows = []
-    groups = f.fillna({"sink": -1, "window": -1}).groupby(["arm", "sink", "window", "rung"], sort=True)
-    for (arm, sink, window, rung), g in groups:
+    groups = f.fillna({"sink": -1, "window": -1}).groupby([*settings, "arm", "sink", "window", "rung"], sort=True)
+    for group_key, g in groups:
+        setting = dict(zip(settings, group_key[: len(settings)], strict=True))
+        arm, sink, window, rung = group_key[len(settings) :]
         acc = mean_interval(g["_acceptance"].to_numpy(), level)
-        pairs = [(a, full.get((rung, i), math.nan)) for a, i in zip(g["_acceptance"], g[key], strict=True)]
+        own = [tuple(row) for row in g[pair_keys].itertuples(index=False)]
+        pairs = [(a, full.get(k, math.nan)) for a, k in zip(g["_acceptance"], own, strict=True)]
         paired = [(a, b) for a, b in pairs if np.isfinite(a) and np.isfinite(b)]
         diff = (
             paired_difference_interval([a for a, _ in paired], [b for _, b in paired], level)
@@ -143,6 +168,7 @@ def window_cost(frame: pd.DataFrame, lead_tokens: int | None = None, level: floa
         has_window = window is not None and float(window) > 0
         rows.append(
             {
+                **setting,
                 "arm": arm,
                 "sink": None if sink == -1 else sink,
                 "window": None if window == -1 else window,
@@ -164,9 +190,10 @@ def window_cost(frame: pd.DataFrame, lead_tokens: int | None = None, level: floa
                 "copied_hi": copied.hi,
             }
         )
-    out = pd.DataFrame(rows, columns=list(COLUMNS))
+    out = pd.DataFrame(rows, columns=[*settings, *COLUMNS])
     out["_order"] = out["window"].fillna(math.inf)
-    return out.sort_values(["arm", "_order", "distance"], kind="stable").drop(columns="_order").reset_index(drop=True)
+    order = [*settings, "arm", "_order", "distance"]
+    return out.sort_values(order, kind="stable").drop(columns="_order").reset_index(drop=True)
 
 
 def window_cost_section(requests: pd.DataFrame, lead_tokens: int | None = COPY_LEAD_TOKENS) -> Section:
@@ -194,10 +221,7 @@ def window_cost_display(section: Section) -> pd.DataFrame:
 
     return pd.DataFrame(
         {
-            "draft": [
-                a if pd.isna(w) else f"{a} S={int(s)} W={int(w)}"
-                for a, s, w in zip(f["arm"], f["sink"], f["window"], strict=True)
-            ],
+            "draft": [draft_label(row, f) for _, row in f.iterrows()],
             "context": f["rung"].astype(int),
             "passage back (tokens)": f["distance"].round().astype(int),
             "back / W": [f"{x:.2g}" if x else "" for x in f["distance_over_window"]],
@@ -217,6 +241,18 @@ def window_cost_display(section: Section) -> pd.DataFrame:
     )
 
 
+def draft_label(row: pd.Series, frame: pd.DataFrame) -> str:
+    """'wmtp k=3 S=16 W=256', plus the model, engine and concurrency where ``frame`` holds more than one."""
+    label = str(row["arm"])
+    if "k" in row and pd.notna(row["k"]):
+        label += f" k={int(row['k'])}"
+    if pd.notna(row["window"]):
+        label += f" S={int(row['sink'])} W={int(row['window'])}"
+    varies = [c for c in ("model", "engine", "concurrency") if c in frame.columns and frame[c].nunique() > 1]
+    extra = [f"c={row[c]}" if c == "concurrency" else str(row[c]) for c in varies]
+    return f"{label} ({', '.join(extra)})" if extra else label
+
+
 def window_cost_figure(section: Section):
     """Acceptance (with its interval) against distance / W, one line per windowed draft; the full draft's
     acceptance at each distance as grey marks at W's reach (distance / W = 1 is the window's edge)."""
@@ -224,13 +260,17 @@ def window_cost_figure(section: Section):
 
     f = section.frame
     fig, ax = plt.subplots(figsize=(7, 4))
+    settings = setting_keys(f)
     windowed = f[f["window"].notna()]
-    for (arm, sink, window), g in windowed.groupby(["arm", "sink", "window"], sort=True):
+    for key, g in windowed.groupby([*settings, "arm", "sink", "window"], sort=True):
         g = g.sort_values("distance_over_window")
         x, y = g["distance_over_window"], 100 * g["acceptance"]
         err = [y - 100 * g["lo"], 100 * g["hi"] - y]
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"{arm} S={int(sink)} W={int(window)}")
-        full = f[(f["arm"] == FULL_DRAFT_ARM) & f["rung"].isin(g["rung"])].set_index("rung")["acceptance"]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=draft_label(g.iloc[0], f))
+        same = f["arm"] == FULL_DRAFT_ARM
+        for column, value in zip(settings, key[: len(settings)], strict=True):
+            same &= f[column] == value
+        full = f[same].set_index("rung")["acceptance"]
         ax.scatter(x, [100 * full.get(r, np.nan) for r in g["rung"]], marker="_", s=200, color="grey")
     ax.axvline(1.0, color="black", linewidth=0.8, linestyle=":")
     ax.set_xscale("log")

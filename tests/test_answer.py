@@ -135,3 +135,26 @@ def test_the_derive_stage_writes_what_the_report_reads(tmp_path):
     marked.to_parquet(tmp_path / "embedded" / "derived" / "answer.parquet", index=False)
     rows = sections.answer_rows(load.load_tidy(tidy_dir))
     assert set(rows["verdict"]) == {"marker"}
+
+
+def test_the_answer_names_the_model_where_a_study_has_two():
+    """Two models, one arm each way faster: the opening table and the sentences must tell them apart."""
+    from wmtp.report.load import Tidy
+    from wmtp.report.sections import answer_section, answer_sentences
+
+    fast = _requests({"none": [15.0, 15.5, 14.8], "mtp": [10.0, 10.2, 9.9]}).assign(model="qwen")
+    slow = _requests({"none": [10.0, 10.2, 9.9], "mtp": [12.5, 12.8, 12.4]}).assign(model="nemo")
+    for frame in (fast, slow):
+        frame["cell_id"] = frame["model"] + "-" + frame["arm"]
+    requests = screen_requests(pd.concat([fast, slow], ignore_index=True))
+    rungs = _rungs(requests).merge(requests[["cell_id", "arm"]].drop_duplicates(), on="cell_id")
+    tidy = Tidy(requests=requests, rungs=rungs, positions=pd.DataFrame())
+    series = list(answer_section(tidy).frame["series"])
+    assert sorted(series) == ["mtp k=3 (nemo)", "mtp k=3 (qwen)"]
+    said = [s for s in answer_sentences(tidy) if "the rate of no draft" in s]
+    assert any(s.startswith("mtp k=3 (qwen) decodes at 1.5") for s in said), said
+    assert any(s.startswith("mtp k=3 (nemo) decodes at 0.79") for s in said), said
+    one = requests[requests["model"] == "qwen"]
+    assert list(answer_section(Tidy(requests=one, rungs=rungs, positions=pd.DataFrame())).frame["series"]) == [
+        "mtp k=3"
+    ]

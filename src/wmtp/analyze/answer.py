@@ -16,7 +16,7 @@ Each carries its interval (analyze.intervals), n (pairs or requests) and verdict
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pandas as pd
 
@@ -109,12 +109,23 @@ def answer_table(requests: pd.DataFrame, rungs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame([r for r in rows if r["n"] > 0], columns=COLUMNS)
 
 
-def series_label(row: pd.Series | dict) -> str:
+# Settings besides the arm that tell a study's series apart; a label names those that vary in the study.
+SETTINGS = ("model", "engine", "concurrency")
+
+
+def varying_settings(rows: pd.DataFrame) -> tuple[str, ...]:
+    """Which of :data:`SETTINGS` take more than one value in ``rows``: the labels must name them."""
+    return tuple(c for c in SETTINGS if c in rows.columns and rows[c].nunique(dropna=False) > 1)
+
+
+def series_label(row: pd.Series | dict, qualify: Sequence[str] = ()) -> str:
+    """'wmtp k=3 S=16 W=256', and '(model, engine, c=2)' for the settings in ``qualify``."""
     arm, k = row["arm"], int(row["k"])
     label = f"{arm} k={k}"
     if arm in WINDOWED_ARMS:
         label += f" S={int(row['sink'])} W={int(row['window'])}"
-    return label
+    extra = [f"c={row[c]}" if c == "concurrency" else str(row[c]) for c in qualify]
+    return f"{label} ({', '.join(extra)})" if extra else label
 
 
 def format_value(value: float, quantity: str) -> str:
@@ -124,7 +135,7 @@ def format_value(value: float, quantity: str) -> str:
     return f"{value:.3g}×"
 
 
-def sentence(row: pd.Series | dict) -> str:
+def sentence(row: pd.Series | dict, qualify: Sequence[str] = ()) -> str:
     """One finding in words; an unresolved effect is said to be unresolved, never stated as a finding."""
     quantity, value = row["quantity"], row["value"]
     span = (
@@ -142,4 +153,4 @@ def sentence(row: pd.Series | dict) -> str:
     finding = RESOLVED if row["verdict"] == RESOLVED else "not resolved: the interval includes no effect"
     if not row["verdict"]:
         finding = "measured"
-    return f"{series_label(row)} {what} {span} on {where} — {finding}."
+    return f"{series_label(row, qualify)} {what} {span} on {where} — {finding}."

@@ -125,6 +125,7 @@ def answer_section(tidy: Tidy) -> Section:
         "acceptance_change": "acceptance vs mtp",
     }
     keys = ["model", "engine", "concurrency", "workload", "rung", "arm", "k", "sink", "window"]
+    qualify = answer.varying_settings(rows)
     out = []
     for key, group in rows.groupby(keys, dropna=False, sort=True):
         record = dict(zip(keys, key, strict=True))
@@ -132,7 +133,7 @@ def answer_section(tidy: Tidy) -> Section:
         line = {
             "workload": record["workload"],
             "context": context_label(record["rung"]),
-            "series": f"{answer.series_label(record)} {read}".strip(),
+            "series": f"{answer.series_label(record, qualify)} {read}".strip(),
         }
         for _, r in group.iterrows():
             line[titles[r["quantity"]]] = _interval_text(r, r["quantity"])
@@ -149,7 +150,8 @@ def answer_sentences(tidy: Tidy) -> list[str]:
     longest = rows[rows["rung"] == rows.groupby("workload")["rung"].transform("max")]
     order = {"speedup": 0, "cost_side_ratio": 1, "acceptance_change": 2, "acceptance": 3}
     longest = longest.assign(_o=longest["quantity"].map(order), _r=longest["verdict"] != answer.RESOLVED)
-    return [answer.sentence(r) for _, r in longest.sort_values(["_r", "workload", "_o"]).iterrows()]
+    qualify = answer.varying_settings(rows)
+    return [answer.sentence(r, qualify) for _, r in longest.sort_values(["_r", "workload", "_o"]).iterrows()]
 
 
 def excluded_section(tidy: Tidy) -> Section:

@@ -502,3 +502,24 @@ def test_ring_reclaim_is_the_draft_layers_share_of_attention_kv():
     # The ring gives back the share, less the sink + window it keeps (a few thousand of 1M tokens).
     assert ((frame["KV reclaimed by the ring (%)"] < frame["draft KV share (%)"])
             & (frame["KV reclaimed by the ring (%)"] > frame["draft KV share (%)"] - 0.5)).all()  # fmt: skip
+
+
+def test_copy_task_numbers_are_never_set_against_published_code_prompt_numbers(full_tidy_dir):
+    """The published studies measured code prompts: a study whose rows are all on the copy task has nothing of
+    theirs to compare with, however close its quantities' names."""
+    import dataclasses
+
+    tidy = load.load_tidy(full_tidy_dir)
+    published = load.load_published(PUBLISHED)
+    on_code = compare.published_comparison(tidy, published, "spark-128k").frame
+    assert "acceptance_rate_pct" in set(on_code["quantity"])
+    on_copy = dataclasses.replace(
+        tidy,
+        requests=tidy.requests.assign(workload="copy"),
+        rungs=tidy.rungs.assign(workload="copy"),
+        positions=tidy.positions.assign(workload="copy"),
+    )
+    measured = compare.measured_quantities(on_copy)
+    assert set(measured["workload"]) == {"copy"}
+    section = compare.published_comparison(on_copy, published, "spark-128k")
+    assert section.frame is None or section.frame.empty

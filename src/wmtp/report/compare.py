@@ -316,6 +316,11 @@ def wedge_section(
 # --------------------------------------------------------------------------------------------------
 
 
+#: What a measured quantity is of, besides its arm, k and rung: every row carries all of them, so that a
+#: comparison can select the workload the published number was measured on and no two series collapse.
+QUANTITY_KEYS: tuple[str, ...] = ("model", "engine", "concurrency", "workload", "sink", "window")
+
+
 def _q(
     quantity: str,
     arm: str,
@@ -339,7 +344,7 @@ def _q(
         "value": value,
         "lo": lo,
         "hi": hi,
-        **{c: key.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+        **{c: key.get(c) for c in QUANTITY_KEYS},
     }
 
 
@@ -348,13 +353,13 @@ def measured_quantities(tidy: Tidy, **boot: Any) -> pd.DataFrame:  # noqa: C901
     """Every quantity the published CSVs name, as measured, in the CSVs' units (long format).
 
     Columns: quantity, arm, k, rung, rung_from, position, value, lo, hi, model, engine, concurrency,
-    sink, window. Changes across context are taken from the smallest rung to each larger one.
+    workload, sink, window. Changes across context are taken from the smallest rung to each larger one.
     """
     rows: list[dict[str, Any]] = []
     r = tidy.rungs
     for rec in r.to_dict("records"):
         arm, k = rec["arm"], (int_or_none(rec.get("k")) or None)
-        key = {c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")}
+        key = {c: rec.get(c) for c in QUANTITY_KEYS}
         common = {"k": k, "rung": rec["rung"], **key}
         rows.append(_q("prompt_tokens", arm, float(rec["prompt_tokens"]), **common))
         rows.append(_q("n_repeats", arm, float(rec["n_repeats"]), **common))
@@ -370,7 +375,7 @@ def measured_quantities(tidy: Tidy, **boot: Any) -> pd.DataFrame:  # noqa: C901
         common = {
             "k": int_or_none(rec.get("k")) or None,
             "rung": rec["rung"],
-            **{c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+            **{c: rec.get(c) for c in QUANTITY_KEYS},
         }
         rows.append(_q("tok_per_j", rec["arm"], float(rec["tok_per_j"]), **common))
         rows.append(_q("power_w", rec["arm"], float(rec["power_w"]), **common))
@@ -384,7 +389,7 @@ def measured_quantities(tidy: Tidy, **boot: Any) -> pd.DataFrame:  # noqa: C901
                     k=int_or_none(rec.get("k")) or None,
                     rung=rec["rung"],
                     position=rec["position"],
-                    **{c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+                    **{c: rec.get(c) for c in QUANTITY_KEYS},
                 )
             )
     # spread of the repeats
@@ -394,7 +399,7 @@ def measured_quantities(tidy: Tidy, **boot: Any) -> pd.DataFrame:  # noqa: C901
         common = {
             "k": int_or_none(rec.get("k")) or None,
             "rung": rec["rung"],
-            **{c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+            **{c: rec.get(c) for c in QUANTITY_KEYS},
         }
         rows.append(_q("decode_tok_s_range", rec["arm"], math.nan, lo=rec["min"], hi=rec["max"], **common))
         vals = an.finite_values(
@@ -413,7 +418,7 @@ def measured_quantities(tidy: Tidy, **boot: Any) -> pd.DataFrame:  # noqa: C901
             common = {
                 "k": int_or_none(rec.get("k")),
                 "rung": rec["rung"],
-                **{c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+                **{c: rec.get(c) for c in QUANTITY_KEYS},
             }
             rows.append(_q("speedup", rec["arm"], rec["speedup"], lo=rec["lo"], hi=rec["hi"], **common))
             rows.append(_q("decode_tok_s_gain_pct", rec["arm"], 100 * (rec["speedup"] - 1), **common))
@@ -423,14 +428,14 @@ def measured_quantities(tidy: Tidy, **boot: Any) -> pd.DataFrame:  # noqa: C901
                     "k": int_or_none(rec.get("k")),
                     "rung": to,
                     "rung_from": rungs[0],
-                    **{c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+                    **{c: rec.get(c) for c in QUANTITY_KEYS},
                 }
                 rows.append(_q("speedup_change", rec["arm"], rec["change"], lo=rec["lo"], hi=rec["hi"], **common))
                 if rec["se"] and np.isfinite(rec["se"]) and rec["se"] > 0:
                     rows.append(_q("speedup_change_sigmas", rec["arm"], rec["change"] / rec["se"], **common))
                     rows.append(_q("speedup_dip_sigmas", rec["arm"], abs(rec["change"]) / rec["se"], **common))
             for rec in an.draft_tax_table(r, req, rung_from=rungs[0], rung_to=to, **boot).to_dict("records"):
-                key = {c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")}
+                key = {c: rec.get(c) for c in QUANTITY_KEYS}
                 common = {"k": int_or_none(rec.get("k")), "rung": to, "rung_from": rungs[0], **key}
                 base = {"rung": to, "rung_from": rungs[0], **{**key, "sink": None, "window": None}}
                 rows.append(_q("target_growth_ms", an.BASE_ARM, rec["target_growth_ms"], **base))
@@ -479,7 +484,7 @@ def measured_quantities(tidy: Tidy, **boot: Any) -> pd.DataFrame:  # noqa: C901
                 "k": int_or_none(key.get("k")) or None,
                 "rung": to,
                 "rung_from": first,
-                **{c: key.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+                **{c: key.get(c) for c in QUANTITY_KEYS},
             }
             if key["arm"] != an.BASE_ARM:
                 rows.append(
@@ -511,7 +516,7 @@ def measured_quantities(tidy: Tidy, **boot: Any) -> pd.DataFrame:  # noqa: C901
                     100 * an.relative_change(float(base["ttft_s"].iloc[0]), float(rec["ttft_s"])),
                     k=rec.get("k"),
                     rung=rec["rung"],
-                    **{c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+                    **{c: rec.get(c) for c in QUANTITY_KEYS},
                 )
             )
     if tidy.has_windowed:
@@ -520,7 +525,7 @@ def measured_quantities(tidy: Tidy, **boot: Any) -> pd.DataFrame:  # noqa: C901
             common = {
                 "k": rec.get("k"),
                 "rung": rec["rung"],
-                **{c: rec.get(c) for c in ("model", "engine", "concurrency", "sink", "window")},
+                **{c: rec.get(c) for c in QUANTITY_KEYS},
             }
             rows.append(_q("cost_side_ratio", rec["arm"], rec["ratio"], **common))
             rows.append(
@@ -552,8 +557,9 @@ def measured_quantities(tidy: Tidy, **boot: Any) -> pd.DataFrame:  # noqa: C901
             "concurrency",
             "sink",
             "window",
+            "workload",
         ]
-        out = out.drop_duplicates(subset=[c for c in (*ident, "workload") if c in out.columns]).reset_index(drop=True)
+        out = out.drop_duplicates(subset=ident).reset_index(drop=True)
     return out
 
 

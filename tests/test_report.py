@@ -523,3 +523,10 @@ def test_copy_task_numbers_are_never_set_against_published_code_prompt_numbers(f
     assert set(measured["workload"]) == {"copy"}
     section = compare.published_comparison(on_copy, published, "spark-128k")
     assert section.frame is None or section.frame.empty
+
+
+def test_the_speedup_change_table_says_how_its_speedups_differ_from_the_answer_tables(full_tidy_dir):
+    section = sections.speedup_change_section(load.load_tidy(full_tidy_dir), n_boot=200)
+    assert section.available and section.notes == (sections.NOTE_SPEEDUP_CHANGE_METHOD,)
+    assert "ratio of the two arms' median" in section.notes[0] and "ignoring" in section.notes[0]
+    assert "change [bootstrap interval, unpaired]" in sections.speedup_change_display(section).columns

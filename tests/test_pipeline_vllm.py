@@ -21,6 +21,7 @@ import pytest
 import yaml
 from conftest import engines_dir, wait_for
 
+from wmtp.config import COPY_LEAD_TOKENS
 from wmtp.measure.equality import equal_up_to_numerics
 from wmtp.measure.server import group_alive
 
@@ -170,6 +171,10 @@ def test_raw_files_and_manifest(pipeline):
         copied = measured[measured["workload"] == "copy"]["copied_tokens"]
         assert copied.notna().all() and copied.between(0, 24).all()
         assert measured[measured["workload"] == "code"]["copied_tokens"].isna().all()
+        # and where the passage sat: within a lead-in's length of the prompt's start
+        copy = measured[measured["workload"] == "copy"]
+        assert (copy["rung"] - copy["distance"]).between(COPY_LEAD_TOKENS - 8, COPY_LEAD_TOKENS + 8).all()
+        assert measured[measured["workload"] == "code"]["distance"].isna().all()
 
 
 def test_counter_invariants(pipeline):

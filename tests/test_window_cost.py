@@ -167,3 +167,10 @@ def test_two_full_drafts_for_one_prompt_are_refused():
     frame = _requests()
     with pytest.raises(ValueError, match="share one prompt"):
         window_cost(pd.concat([frame, frame[frame["arm"] == "mtp"]], ignore_index=True))
+
+
+def test_a_recorded_distance_wins_over_the_lead_in_and_fills_row_by_row():
+    frame = pd.DataFrame({"rung": [1024, 1024, 4096], "distance": [511, None, 3583]})
+    assert passage_distance(frame, 512).tolist() == [511, 512, 3583]
+    with pytest.raises(ValueError, match="lead_tokens"):
+        passage_distance(frame)

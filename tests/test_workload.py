@@ -99,12 +99,17 @@ def test_workload_task_gives_the_copy_tasks_continuation(tiny_tokenizer):
     from wmtp.measure.workload import copy_task_prompt, workload_prompt, workload_task
 
     factory = PromptFactory(tiny_tokenizer)
-    text, continuation = workload_task(factory, "copy", 2048, 1, salt="measure/2048")
+    measured = workload_task(factory, "copy", 2048, 1, salt="measure/2048")
     task = copy_task_prompt(factory, 2048, 1, salt="measure/2048/copy")
-    assert (text, continuation) == (task.text, task.continuation) and text == workload_prompt(
-        factory, "copy", 2048, 1, salt="measure/2048"
-    )
-    assert workload_task(factory, "code", 512, 1, salt="m") == (factory.prompt(512, 1, salt="m"), None)
+    assert (measured.text, measured.continuation) == (task.text, task.continuation)
+    assert measured.text == workload_prompt(factory, "copy", 2048, 1, salt="measure/2048")
+    # The passage starts where its tokens start in the prompt: counted, not assumed from the lead-in's size.
+    ids = factory.encode(measured.text)
+    cue = measured.text.rsplit("\n\n", 1)[1]
+    # At most the blank line between lead-in and passage lies between that token and the passage.
+    assert factory.decode(ids[len(ids) - measured.distance :]).lstrip("\n").startswith(cue + task.continuation)
+    code = workload_task(factory, "code", 512, 1, salt="m")
+    assert (code.text, code.continuation, code.distance) == (factory.prompt(512, 1, salt="m"), None, None)
 
 
 def test_copy_task_converges_where_a_filler_ending_in_a_newline_steps_over_the_length():

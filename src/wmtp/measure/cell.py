@@ -36,7 +36,7 @@ from wmtp.measure.identity import cell_identity, check_identity, identity_hash
 from wmtp.measure.lock import device_key, device_lock
 from wmtp.measure.power import EnergyWindow, PowerMeter, open_meter
 from wmtp.measure.server import PortTaken, ServerProcess, free_port
-from wmtp.measure.workload import PromptFactory, chat_settings, copied_tokens, workload_task
+from wmtp.measure.workload import PromptFactory, PromptTask, chat_settings, copied_tokens, workload_task
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def _measure(
     meter: PowerMeter,
     base_url: str,
     served: str,
-    prompts: list[str],
+    tasks: list[PromptTask],
     workload: str,
     rung: int,
     repeat: int,
@@ -140,13 +140,15 @@ def _measure(
     warmup: bool,
     client: httpx.Client,
     engine: EngineAdapter,
-    copied_of: Callable[[int, str], int | None] = lambda slot, output: None,
+    count_tokens: Callable[[str], int] | None = None,
 ) -> list[dict[str, Any]]:
-    """One repeat: ``len(prompts)`` concurrent requests. Energy windows and counters per request at concurrency 1.
+    """One repeat: ``len(tasks)`` concurrent requests. Energy windows and counters per request at concurrency 1.
 
-    ``copied_of(slot, output text)``: how many tokens of its copy-task passage a request reproduced (None for a
-    prompt without one), recorded as ``copied_tokens``.
+    A copy-task request also records where its passage sat (``distance``, tokens back from the prompt's end)
+    and how many tokens of it the output reproduced (``copied_tokens``, counted with ``count_tokens``): a copy
+    task the target does not copy cannot show what a window costs.
     """
+    prompts = [task.text for task in tasks]
     per_request_windows = len(prompts) == 1 and not warmup and meter.available
     # Alone on the server, a request owns every counter increment between two snapshots: acceptance gets one
     # value per request, so its noise enters the intervals (two /metrics reads, milliseconds).
@@ -209,7 +211,11 @@ def _measure(
         run.windows += [w for w in (prefill_w, decode_w) if w is not None]
         rows.append(_request_row(run.cell, workload, rung, repeat, slot, warmup, result, prefill_w, decode_w))
         rows[-1].update(engine.request_fields(result.extensions))
-        rows[-1]["copied_tokens"] = copied_of(slot, result.text)
+        task = tasks[slot]
+        rows[-1]["distance"] = task.distance
+        rows[-1]["copied_tokens"] = (
+            copied_tokens(count_tokens, result.text, task.continuation) if count_tokens is not None else None
+        )
     if per_request_counters and counters_before:
         after = engine.read_counters(base_url)
         # Raw differences, negative ones included: a counter that went backwards is screened out downstream.
@@ -248,7 +254,7 @@ def _sweep_rung(
             meter,
             base_url,
             served,
-            [text for text, _ in tasks[rep]],
+            tasks[rep],
             workload,
             rung,
             rep,
@@ -256,8 +262,7 @@ def _sweep_rung(
             False,
             client,
             engine,
-            # Whether the target copies at all: a copy task it does not copy cannot show what a window costs.
-            copied_of=lambda slot, text, rep=rep: copied_tokens(factory.token_count, text, tasks[rep][slot][1]),
+            count_tokens=factory.token_count,
         )
         run.rows += rows
         tok_s = [(r["completion_tokens"] - 1) / r["decode_s"] for r in rows if r["decode_s"] > 0]
@@ -312,7 +317,7 @@ def _sweep(
                 meter,
                 base_url,
                 served,
-                [prompt],
+                [PromptTask(prompt)],
                 "code",
                 protocol.warmup_prompt_tokens,
                 i,

@@ -341,22 +341,29 @@ def copy_task_prompt(
     raise PromptLengthError(f"no filler length near {filler_tokens} makes the copy task exactly {n_tokens} tokens")
 
 
-def workload_task(
-    factory: PromptFactory, workload: str, n_tokens: int, index: int, salt: str
-) -> tuple[str, str | None]:
-    """Prompt number ``index`` of exactly ``n_tokens`` tokens of ``workload`` (one of :data:`WORKLOADS`), and
-    the text a faithful copy goes on with (copy task), or None (code)."""
+@dataclass(frozen=True)
+class PromptTask:
+    """One measured prompt: its text and, for a copy task, the text a faithful copy goes on with and how many
+    tokens back from the prompt's end its passage starts (None for a prompt without one)."""
+
+    text: str
+    continuation: str | None = None
+    distance: int | None = None
+
+
+def workload_task(factory: PromptFactory, workload: str, n_tokens: int, index: int, salt: str) -> PromptTask:
+    """Prompt number ``index`` of exactly ``n_tokens`` tokens of ``workload`` (one of :data:`WORKLOADS`)."""
     if workload == "code":
-        return factory.prompt(n_tokens, index, salt=salt), None
+        return PromptTask(factory.prompt(n_tokens, index, salt=salt))
     if workload == "copy":
         task = copy_task_prompt(factory, n_tokens, index, salt=f"{salt}/copy")
-        return task.text, task.continuation
+        return PromptTask(task.text, task.continuation, task.distance(n_tokens))
     raise ValueError(f"unknown workload {workload!r}; expected one of {', '.join(WORKLOADS)}")
 
 
 def workload_prompt(factory: PromptFactory, workload: str, n_tokens: int, index: int, salt: str) -> str:
     """Prompt number ``index`` of exactly ``n_tokens`` tokens of ``workload`` (one of :data:`WORKLOADS`)."""
-    return workload_task(factory, workload, n_tokens, index, salt)[0]
+    return workload_task(factory, workload, n_tokens, index, salt).text
 
 
 def copied_tokens(count_tokens: Callable[[str], int], output: str, continuation: str | None) -> int | None:

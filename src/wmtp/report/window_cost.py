@@ -63,14 +63,20 @@ COLUMNS: tuple[str, ...] = (
 def passage_distance(frame: pd.DataFrame, lead_tokens: int | None = None) -> pd.Series:
     """Tokens from the end of each prompt back to the start of its passage.
 
-    The frame's own ``distance`` column where it has one (scripts/acceptance_cpu.py writes it), else
-    ``rung - lead_tokens`` (the copy prompt's passage follows a lead-in of ``lead_tokens`` tokens).
+    A row's own ``distance`` where it has one (cells record it per copy-task request, scripts/acceptance_cpu.py
+    writes it too), else ``rung - lead_tokens``: the passage follows a lead-in of about ``lead_tokens`` tokens
+    (cells recorded before the distance was).
     """
-    if "distance" in frame.columns and frame["distance"].notna().all():
-        return pd.to_numeric(frame["distance"]).astype(float)
+    recorded = (
+        pd.to_numeric(frame["distance"], errors="coerce").astype(float)
+        if "distance" in frame.columns
+        else pd.Series(math.nan, index=frame.index)
+    )
+    if recorded.notna().all():
+        return recorded
     if lead_tokens is None:
-        raise ValueError("the frame has no 'distance' column: pass lead_tokens (the copy prompt's lead-in)")
-    return pd.to_numeric(frame["rung"]).astype(float) - float(lead_tokens)
+        raise ValueError("some rows have no 'distance': pass lead_tokens (the copy prompt's lead-in)")
+    return recorded.fillna(pd.to_numeric(frame["rung"]).astype(float) - float(lead_tokens))
 
 
 def request_acceptance(frame: pd.DataFrame) -> pd.Series:

@@ -161,7 +161,7 @@ def exclusion_reason(
 def screen_requests(frame: pd.DataFrame) -> pd.DataFrame:
     """Flags impossible requests (``excluded``, ``exclusion``) and blanks their derived rates.
 
-    The floor is the engine's own median decode step at the cell's shortest rung (and workload) divided by
+    The floor is the engine's own median decode step at the cell's shortest rung (every workload) divided by
     STEP_FLOOR_FACTOR. Excluded requests stay in the table, so the report can count and list them.
     """
     frame = frame.copy()

@@ -15,6 +15,8 @@ rule admission:
         py=PY,
         # Everything the proof depends on besides the engine's build and the model's files: a change reruns it.
         engine_env=lambda wc: json.dumps(STUDY.engine(wc.engine).env, sort_keys=True),
+        # The engine input is ancient() (a re-check is no rebuild): its spec's hash reruns the proof on a new build.
+        engine_hash=lambda wc: engine_hash(wc.engine),
         model_dir=lambda wc: STUDY.model_dir(wc.model),
         proof=lambda wc: admission_settings(wc.model, wc.engine),
     resources:
@@ -24,4 +26,4 @@ rule admission:
     shell:
         "{params.py} -m wmtp --log {log.pipeline:q} admission --model {wildcards.model:q} "
         "--engine-env {params.engine_env:q} --engine-manifest {input.engine:q} --model-dir {params.model_dir:q} "
-        "--proof {params.proof:q} --out {output:q} --engine-log {log.engine:q}"
+        "--proof {params.proof:q} --engine-hash {params.engine_hash:q} --out {output:q} --engine-log {log.engine:q}"

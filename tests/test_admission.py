@@ -185,3 +185,18 @@ def test_the_ring_serves_one_more_request_where_wmtp_queues(engine_python, tmp_p
     assert "SinkWindowSpec" in ring["pages_by_group"] and "SinkWindowSpec" not in plain["pages_by_group"]
     assert found["same_output"] and found["verdict"] == "ring admits one more"
     assert os.path.exists(out)
+
+
+def test_a_build_of_another_engine_spec_is_refused_before_the_proof_runs(tmp_path):
+    from wmtp.cli import main
+    from wmtp.engines.build import EngineBuildError
+
+    # The interpreter does not exist: the refusal must come before anything tries to run it.
+    manifest = {"engine": "vllm-cpu", "python": str(tmp_path / "no-python"), "spec_hash": "a" * 16}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    argv = ["admission", "--model", "tiny", "--model-dir", str(tmp_path), "--engine-manifest"]
+    argv += [str(tmp_path / "manifest.json"), "--proof", json.dumps({"sink": 16, "window": 256, "k": 3})]
+    argv += ["--out", str(tmp_path / "proof.json")]
+    with pytest.raises(EngineBuildError, match=f"was built from spec {'a' * 16}, but the study describes spec b"):
+        main([*argv, "--engine-hash", "b" * 16])
+    assert not (tmp_path / "proof.json").exists()

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from wmtp.engines import vllm as vllm_adapter
+from wmtp.engines.build import spec_hash
 from wmtp.plugin import stats
 
 
@@ -150,9 +151,10 @@ def test_run_cell_fails_a_wmtp_cell_whose_window_never_ran(tmp_path, tiny_tokeni
         },
     }
     study = study_from_dict(raw, base_dir=tmp_path)
+    (cell,) = study.cells()
     manifest = {"python": sys.executable, "engine": "sg", "kind": "sglang", "source": "python"}
     manifest["versions"] = _probe(FAKE_SITE)
-    (cell,) = study.cells()
+    manifest["spec_hash"] = spec_hash(study.engine(cell.engine))  # a build of this study's engine
     out = tmp_path / "results" / "sg" / "raw" / cell.cell_id
     with pytest.raises(stats.WindowNotApplied, match="the windowed draft never ran"):
         run_cell(CellRun(study=study, cell=cell, out_dir=out, engine_manifest=manifest, model_dir=model_dir))

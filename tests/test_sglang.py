@@ -16,6 +16,7 @@ import pytest
 
 from wmtp.config import Cell, EngineSpec, study_from_dict
 from wmtp.engines import ServeRequest, adapter, sglang
+from wmtp.engines.build import EngineBuildError, spec_hash
 from wmtp.engines.vllm import VLLMAdapter
 from wmtp.measure.client import complete
 
@@ -282,7 +283,16 @@ def test_cells_against_a_stand_in_server(tmp_path, tiny_tokenizer):
         "kind": "sglang",
         "source": "python",
         "versions": _probe(FAKE_SITE),
+        "spec_hash": spec_hash(study.engine("sg")),  # a build of this study's engine
     }
+    # A build left from another spec of the engine is refused before any server starts.
+    stale = {**manifest, "spec_hash": "0" * 16}
+    with pytest.raises(EngineBuildError, match="was built from spec 0000000000000000"):
+        first = study.cells()[0]
+        run_cell(
+            CellRun(study=study, cell=first, out_dir=tmp_path / "stale", engine_manifest=stale, model_dir=model_dir)
+        )
+    assert not list((tmp_path / "stale").glob("**/server*.log"))
     dirs = []
     for cell in study.cells():
         out = tmp_path / "results" / "sg" / "raw" / cell.cell_id

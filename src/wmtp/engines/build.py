@@ -37,6 +37,18 @@ def spec_hash(spec: EngineSpec) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def check_built_as(manifest: dict, expected_hash: str) -> None:
+    """Refuse an engine build whose manifest was written for another spec than the study's (a build left over
+    from an earlier study file, its record of why it would rebuild lost): measuring with it would file its
+    numbers under the study's engine."""
+    built = manifest.get("spec_hash")
+    if built != expected_hash:
+        raise EngineBuildError(
+            f"engine {manifest.get('engine')!r} was built from spec {built}, but the study describes spec "
+            f"{expected_hash}: rebuild it (snakemake --forcerun engine) before measuring with it"
+        )
+
+
 def engine_python(spec: EngineSpec, engine_dir: Path) -> str:
     """The interpreter that runs this engine's server."""
     if spec.source == "python":

@@ -29,6 +29,7 @@ import httpx
 from wmtp import layout
 from wmtp.config import Cell, Study
 from wmtp.engines import EngineAdapter, ServeRequest, adapter
+from wmtp.engines.build import check_built_as
 from wmtp.layout import REPO_ROOT
 from wmtp.measure.client import Completion, complete
 from wmtp.measure.counters import delta
@@ -543,6 +544,7 @@ def run_cell(run: CellRun) -> Path:
     cell, study = run.cell, run.study
     identity = cell_identity(study, cell)
     check_identity(run.expected_identity, identity)
+    check_built_as(run.engine_manifest, identity["engine"])
     if recover_staging(out_dir, identity_hash(identity)):
         return out_dir
     for name in (*layout.RAW_SUCCESS_FILES, layout.FAILURE_FILE, layout.SERVER_FAILED_LOG):

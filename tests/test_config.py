@@ -202,3 +202,26 @@ def test_a_cell_recomputes_the_identity_the_workflow_planned(repo, study_file):
         assert identity_hash(recomputed) == identity_hash(planned), (cell.cell_id, planned, recomputed)
         protocols.add(identity_hash(recomputed["protocol"]))
     assert len(protocols) == 1
+
+
+def test_a_setting_listed_twice_is_refused(embedded_raw):
+    """A duplicate would be measured once and silently merged; a repeated rung measured the same prompts twice
+    and crashed the analysis after every cell had run."""
+    import copy
+
+    for where, value, fragment in (
+        (("protocol", "rungs"), [1024, 1024, 4096], "protocol.rungs"),
+        (("protocol", "concurrency"), [1, 1], "protocol.concurrency"),
+    ):
+        raw = copy.deepcopy(embedded_raw)
+        raw[where[0]][where[1]] = value
+        check(raw, fragment, "non-unique")
+    raw = copy.deepcopy(embedded_raw)
+    raw["arms"][2]["window"] = [256, 256]
+    check(raw, "arms[2].window", "non-unique")
+    raw = copy.deepcopy(embedded_raw)
+    raw["arms"].append({"name": "mtp", "k": [1, 3]})
+    check(raw, f"arms[{len(raw['arms']) - 1}] repeats arms[1]'s mtp k=3")
+    raw = copy.deepcopy(embedded_raw)
+    raw["arms"][0]["k"] = [3]
+    check(raw, "arms[0].k", "drafts nothing")

@@ -393,6 +393,8 @@ def _check_arm(i: int, arm: Mapping[str, Any]) -> None:
         for j, k in enumerate(ks):
             if k < 1:
                 raise ConfigError(f"config: arms[{i}].k[{j}] must be ≥ 1 for arm {name!r} (got {k})")
+    elif arm.get("k"):
+        raise ConfigError(f"config: arms[{i}].k: arm {name!r} drafts nothing, so it has no draft depth")
     if name not in WINDOWED_ARMS:
         if arm.get("sink") or arm.get("window"):
             raise ConfigError(f"config: arms[{i}]: sink/window only apply to windowed arms, not {name!r}")
@@ -404,6 +406,21 @@ def _check_arm(i: int, arm: Mapping[str, Any]) -> None:
         for j, value in enumerate(arm[key]):
             if value < least:
                 raise ConfigError(f"config: arms[{i}].{key}[{j}] must be ≥ {least} (got {value})")
+
+
+def _check_arms_distinct(arms: list[Mapping[str, Any]]) -> None:
+    """Two entries of one arm must not share a setting: the same cell listed twice would be measured once and
+    read as if two series had measured it."""
+    seen: dict[tuple, int] = {}
+    for i, arm in enumerate(arms):
+        ks = arm.get("k") or [0]
+        sinks, windows = arm.get("sink") or [None], arm.get("window") or [None]
+        for setting in ((arm["name"], k, s, w) for k in ks for s in sinks for w in windows):
+            if setting in seen:
+                name, k, s, w = setting
+                what = " ".join(f"{key}={v}" for key, v in (("k", k), ("S", s), ("W", w)) if v)
+                raise ConfigError(f"config: arms[{i}] repeats arms[{seen[setting]}]'s {name} {what}".rstrip())
+            seen[setting] = i
 
 
 def _check_protocol(protocol: Mapping[str, Any], models: list[Mapping[str, Any]]) -> None:
@@ -615,6 +632,7 @@ def _semantic_checks(raw: Mapping[str, Any], base_dir: Path) -> None:
     _check_engines(raw["engines"])
     for i, arm in enumerate(raw["arms"]):
         _check_arm(i, arm)
+    _check_arms_distinct(raw["arms"])
     _check_protocol(raw["protocol"], raw["models"])
     _check_warmup(raw["protocol"], raw["models"])
     _check_ring(raw["arms"], raw["engines"], raw["models"])

@@ -12,13 +12,15 @@ rule collect:
     params:
         py=PY,
         out=layout.tidy_dir(RESULTS),
+        # What each cell's recorded identity must be: cells measured for another study file are refused.
+        identities=lambda wc: cell_identities_json(),
     localrule: True
     conda:
         "../envs/pipeline.yaml"
     # --admission last: its files (none, in a study without wmtp-ring) end the argument list.
     shell:
-        "{params.py} -m wmtp --log {log:q} collect --out {params.out:q} {input.manifests:q} "
-        "--admission {input.admission:q}"
+        "{params.py} -m wmtp --log {log:q} collect --out {params.out:q} --identities {params.identities:q} "
+        "{input.manifests:q} --admission {input.admission:q}"
 
 
 rule derive:

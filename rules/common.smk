@@ -63,6 +63,11 @@ def cell_identity_hash(cell_id):
     return identity_hash(cell_identity(STUDY, CELLS[cell_id], base_dir=Path.cwd()))
 
 
+def cell_identities_json():
+    """Every cell's identity hash, as collect checks the recorded ones against."""
+    return json.dumps({cell_id: cell_identity_hash(cell_id) for cell_id in CELLS}, sort_keys=True)
+
+
 def cell_study_json(cell_id):
     return json.dumps(cell_study(STUDY, CELLS[cell_id]), sort_keys=True)
 

@@ -149,3 +149,49 @@ def test_a_windowed_cell_carries_the_cost_models_ring_reclaim_at_its_length(tmp_
     manifest.pop("model_config")
     (cell / "manifest.json").write_text(json.dumps(manifest))
     assert tidy.collect([cell], tmp_path / "tidy2")["requests"]["predicted_ring_reclaim"].isna().all()
+
+
+def _real_cells() -> list[Path]:
+    return sorted(m.parent for m in (FIXTURES / "embedded-trained-run").rglob("manifest.json"))
+
+
+def test_cells_recorded_for_another_study_file_are_refused(tmp_path):
+    import shutil
+
+    import pytest
+
+    cells, current = [], {}
+    for i, cell in enumerate(_real_cells()):
+        copy = tmp_path / "raw" / str(i)
+        shutil.copytree(cell, copy)
+        manifest = json.loads((copy / "manifest.json").read_text())
+        manifest["identity_hash"] = f"{i:016x}"  # as a cell records it
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+        cells.append(copy)
+        current[manifest["cell_id"]] = manifest["identity_hash"]
+    tidy.collect(cells, tmp_path / "ok", expected_identities=current)  # the study as recorded: collected
+    changed = dict(current)
+    stale_id = sorted(changed)[1]
+    changed[stale_id] = "f" * 16  # what a study with, say, a longer output would give that cell now
+    with pytest.raises(tidy.StaleCells, match="1 cell\\(s\\) were measured for another study file") as info:
+        tidy.collect(cells, tmp_path / "stale", expected_identities=changed)
+    assert stale_id in str(info.value) and "snakemake --forcerun" in str(info.value)
+    assert not (tmp_path / "stale" / "requests.parquet").exists()
+
+
+def test_cells_whose_prompts_came_from_different_corpora_are_refused(tmp_path):
+    import shutil
+
+    import pytest
+
+    copies = []
+    for i, cell in enumerate(_real_cells()[:2]):
+        copy = tmp_path / "raw" / str(i)
+        shutil.copytree(cell, copy)
+        copies.append(copy)
+    manifest = json.loads((copies[1] / "manifest.json").read_text())
+    assert manifest["corpus_digest"]
+    manifest["corpus_digest"] = "another-python"
+    (copies[1] / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(tidy.MixedProtocols, match="different corpora"):
+        tidy.collect(copies, tmp_path / "tidy")

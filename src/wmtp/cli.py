@@ -137,8 +137,9 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from wmtp.analyze.tidy import MixedProtocols, collect
 
     manifests = [Path(p) for p in args.manifests]
+    expected = json.loads(args.identities) if args.identities else None
     try:
-        collect([m.parent for m in manifests], Path(args.out), [Path(a) for a in args.admission])
+        collect([m.parent for m in manifests], Path(args.out), [Path(a) for a in args.admission], expected)
     except MixedProtocols as err:
         logging.getLogger("wmtp").error("%s", err)
         return 2
@@ -213,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("manifests", nargs="+", help="the manifest.json of each cell")
     p.add_argument("--admission", nargs="*", default=[], help="the ring's admission proofs (raw/admission/*.json)")
+    p.add_argument("--identities", help="JSON {cell id: identity hash} the study gives its cells: others are refused")
     p.set_defaults(func=cmd_collect)
 
     p = sub.add_parser("derive", help="tidy tables → the derived tables the report shows")

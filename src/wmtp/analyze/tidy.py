@@ -275,12 +275,44 @@ class MixedProtocols(ValueError):
     pass
 
 
+class StaleCells(MixedProtocols):
+    """Cells whose recorded identity is not the one the study file now gives them."""
+
+
+def check_identities(manifests: dict[str, dict], expected: dict[str, str]) -> None:
+    """Refuse cells measured for another study file than the one being collected.
+
+    ``manifests`` maps a cell's folder to its manifest, ``expected`` a cell id to the identity hash the study
+    gives it now. Snakemake reruns a cell whose identity changed only while it keeps its own records
+    (.snakemake/); results copied in, or a lost record, would otherwise be reported under today's study.
+    """
+    stale = [
+        (folder, manifest.get("cell_id"))
+        for folder, manifest in sorted(manifests.items())
+        if manifest.get("cell_id") in expected and manifest.get("identity_hash") != expected[manifest["cell_id"]]
+    ]
+    if stale:
+        folders = " ".join(f"{folder}/{MANIFEST_FILE}" for folder, _ in stale)
+        raise StaleCells(
+            f"collect: {len(stale)} cell(s) were measured for another study file than this one (their recorded "
+            f"identity differs from what the study now describes): {', '.join(str(c) for _, c in stale)}. "
+            f"Rerun them: snakemake --forcerun {folders}"
+        )
+
+
 def check_one_protocol(manifests: dict[str, dict]) -> None:
     """Refuse cells measured under different protocols (rungs, repeats, output length, workloads …).
 
     ``manifests`` maps a cell's folder to its manifest. Cells recorded before protocols were recorded carry
     none and are not compared.
     """
+    digests = {m["corpus_digest"] for m in manifests.values() if m.get("corpus_digest")}
+    if len(digests) > 1:
+        raise MixedProtocols(
+            f"collect: the cells built their prompts from different corpora (digests {', '.join(sorted(digests))}: "
+            "the standard library of another Python), so the arms did not decode the same prompts and cannot be "
+            "paired; rerun the cells with one interpreter"
+        )
     protocols = {cell: m["identity"]["protocol"] for cell, m in manifests.items() if "identity" in m}
     if len(protocols) < 2:
         return
@@ -351,14 +383,26 @@ def admission_table(files: list[Path]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=ADMISSION_COLUMNS)
 
 
-def collect(cell_dirs: list[Path], out_dir: Path, admission_files: list[Path] | None = None) -> dict[str, pd.DataFrame]:
-    """Read every complete cell and write requests/rungs/positions (and admission) parquet files into ``out_dir``."""
+def collect(
+    cell_dirs: list[Path],
+    out_dir: Path,
+    admission_files: list[Path] | None = None,
+    expected_identities: dict[str, str] | None = None,
+) -> dict[str, pd.DataFrame]:
+    """Read every complete cell and write requests/rungs/positions (and admission) parquet files into ``out_dir``.
+
+    ``expected_identities`` (cell id → identity hash, as the study file gives them now): cells recorded with
+    another identity are refused (:func:`check_identities`).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     requests, rungs, deltas_by_cell = [], [], {}
     for cell_dir in cell_dirs:
         if not (cell_dir / MANIFEST_FILE).exists():
             raise FileNotFoundError(f"{cell_dir} has no {MANIFEST_FILE}: the cell did not complete")
-    check_one_protocol({str(d): json.loads((d / MANIFEST_FILE).read_text()) for d in cell_dirs})
+    manifests = {str(d): json.loads((d / MANIFEST_FILE).read_text()) for d in cell_dirs}
+    if expected_identities is not None:
+        check_identities(manifests, expected_identities)
+    check_one_protocol(manifests)
     for cell_dir in cell_dirs:
         req = request_table(cell_dir)
         deltas = counter_deltas(cell_dir)

@@ -195,3 +195,23 @@ def test_cells_whose_prompts_came_from_different_corpora_are_refused(tmp_path):
     (copies[1] / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(tidy.MixedProtocols, match="different corpora"):
         tidy.collect(copies, tmp_path / "tidy")
+
+
+def test_the_reports_overview_names_each_series_cell_identity(tmp_path):
+    import shutil
+
+    from wmtp.report.load import load_tidy
+    from wmtp.report.sections import overview
+
+    cells = []
+    for i, cell in enumerate(_real_cells()):
+        copy = tmp_path / "raw" / str(i)
+        shutil.copytree(cell, copy)
+        manifest = json.loads((copy / "manifest.json").read_text())
+        manifest["identity_hash"] = f"{i:016x}"
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+        cells.append(copy)
+    tidy.collect(cells, tmp_path / "tidy")
+    rows = overview(load_tidy(tmp_path / "tidy"))
+    assert sorted(set(rows["identity"])) == [f"{i:016x}" for i in range(len(cells))]
+    assert (rows.groupby("identity").size() == 2).all()  # one row per workload, both of one cell

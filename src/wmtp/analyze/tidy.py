@@ -32,6 +32,8 @@ def _cell_keys(manifest: dict) -> dict:
         "sink": cell.get("sink"),
         "window": cell.get("window"),
         "concurrency": int(cell.get("concurrency") or 1),
+        # The hash of everything the cell's numbers depend on (wmtp.measure.identity); None before it was recorded.
+        "identity_hash": manifest.get("identity_hash"),
     }
 
 

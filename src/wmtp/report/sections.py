@@ -67,15 +67,23 @@ NOTE_ONE_RUNG = "only one context length in this study: nothing to compare acros
 
 def overview(tidy: Tidy) -> pd.DataFrame:
     """One row per series: the cells of the study, their rungs and repeats."""
-    r = tidy.rungs
+    r, req = tidy.rungs, tidy.requests
     keys = [c for c in an.SERIES_KEYS if c in r.columns]
+    # Which measurement each row is: its cell's identity, as collect checked it against the study file.
+    identity_of = (
+        req.drop_duplicates("cell_id").set_index("cell_id")["identity_hash"].dropna()
+        if {"cell_id", "identity_hash"} <= set(req.columns)
+        else pd.Series(dtype=object)
+    )
     rows = []
     for key, group in an.group_rows(r, keys):
+        cells = group["cell_id"].unique() if "cell_id" in group.columns else []
         rows.append(
             {
                 **key,
                 "rungs": ", ".join(context_label(x) for x in sorted(group["rung"].unique())),
                 "repeats": ", ".join(str(int(n)) for n in group.sort_values("rung")["n_repeats"]),
+                "identity": ", ".join(sorted({str(identity_of[c]) for c in cells if c in identity_of.index})),
             }
         )
     out = pd.DataFrame(rows)

@@ -5,6 +5,7 @@ rule collect:
     input:
         manifests=cell_manifests(),
         admission=admission_files(),
+        code=source_files("analyze"),
     output:
         tidy_tables(),
     log:
@@ -26,6 +27,7 @@ rule collect:
 rule derive:
     input:
         tidy_tables(),
+        code=source_files("analyze"),
     output:
         derived_tables(),
     log:

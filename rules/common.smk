@@ -63,6 +63,13 @@ def cell_identity_hash(cell_id):
     return identity_hash(cell_identity(STUDY, CELLS[cell_id], base_dir=Path.cwd()))
 
 
+def source_files(*packages):
+    """The Python files of these wmtp packages: inputs of the rules that run them, so that a change to the code
+    that computes a table or the report reruns it (Snakemake's code trigger sees only the shell command)."""
+    src = Path(workflow.basedir) / "src" / "wmtp"
+    return sorted(path for package in packages for path in (src / package).rglob("*.py"))
+
+
 def cell_identities_json():
     """Every cell's identity hash, as collect checks the recorded ones against."""
     return json.dumps({cell_id: cell_identity_hash(cell_id) for cell_id in CELLS}, sort_keys=True)

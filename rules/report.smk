@@ -6,6 +6,7 @@ rule report:
         tidy_tables(),
         derived_tables(),
         notebook="notebooks/report.ipynb",
+        code=source_files("analyze", "report"),
         replica=REPLICA_RESULTS / "tidy" / "replica.parquet",
         # Everything else the report reads: editing a published number or a model's facts re-renders it.
         published=sorted(Path(workflow.basedir).glob("config/published/*.csv")),

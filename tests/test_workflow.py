@@ -96,3 +96,27 @@ def test_another_study_inherits_nothing_from_the_embedded_default(spark_model_pl
         assert '"workloads": ["code"]' in line and '"copy"' not in line
         assert '"study": "spark-128k"' in line
     assert "results/embedded" not in out.stdout
+
+
+def test_the_code_that_computes_the_tables_and_the_report_is_their_input(tmp_path):
+    """A change to how a table or the report is computed must rerun it: Snakemake's own code trigger sees only a
+    rule's shell command, so the source files are inputs."""
+    out = run(
+        "-n",
+        "--forceall",
+        "--config",
+        f"results_dir={tmp_path}/results",
+        f"models_dir={tmp_path}/models",
+        f"engines_dir={tmp_path}/engines",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    inputs = {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"^(?:local)?rule (\w+):\n\s+input: (.*)$", out.stdout, re.MULTILINE)
+    }
+    for rule, source in (
+        ("collect", "analyze/tidy.py"),
+        ("derive", "analyze/derive.py"),
+        ("report", "report/sections.py"),
+    ):
+        assert f"src/wmtp/{source}" in inputs[rule], (rule, inputs.get(rule))

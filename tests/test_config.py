@@ -225,3 +225,17 @@ def test_a_setting_listed_twice_is_refused(embedded_raw):
     raw = copy.deepcopy(embedded_raw)
     raw["arms"][0]["k"] = [3]
     check(raw, "arms[0].k", "drafts nothing")
+
+
+def test_retrained_weights_of_the_same_size_change_the_fingerprint(tmp_path):
+    import os
+
+    from wmtp.measure.identity import CONTENT_HASH_MAX_BYTES, model_fingerprint
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"a" * (CONTENT_HASH_MAX_BYTES + 1))
+    (tmp_path / "config.json").write_text("{}")
+    os.utime(weights, ns=(1_000_000_000, 1_000_000_000))
+    before = model_fingerprint(tmp_path)
+    weights.write_bytes(b"b" * (CONTENT_HASH_MAX_BYTES + 1))  # new weights, same size, written later
+    assert model_fingerprint(tmp_path) != before

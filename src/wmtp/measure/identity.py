@@ -31,7 +31,7 @@ NOT_MEASURED = ("health_timeout_s", "request_timeout_s")
 # The protocol's list of concurrencies makes cells, one per value; each cell carries its own, so the list is not
 # part of what any one cell measured (a cell job sees the study narrowed to its own concurrency).
 PER_CELL = ("concurrency",)
-# Files up to this size are hashed by content (configs, tokenizers); larger ones (weights) by name and size.
+# Files up to this size are hashed by content (configs, tokenizers); larger ones (weights) by name, size and time.
 CONTENT_HASH_MAX_BYTES = 4 * 1024 * 1024
 
 
@@ -55,13 +55,19 @@ def protocol_identity(study: Study) -> dict[str, Any]:
 
 
 def model_fingerprint(model_dir: Path) -> str:
-    """Content hash of a checkpoint's small files plus the names and sizes of its large ones."""
+    """Content hash of a checkpoint's small files plus the names, sizes and modification times of its large ones.
+
+    Retrained weights of one architecture have the same size, so size alone would leave the cells that measured
+    the old weights standing; the time costs a rerun when weights are copied without it, which is the safe side.
+    """
     digest = hashlib.sha256()
     for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
-        size = path.stat().st_size
-        digest.update(f"{path.relative_to(model_dir)}\0{size}\0".encode())
-        if size <= CONTENT_HASH_MAX_BYTES:
+        stat = path.stat()
+        digest.update(f"{path.relative_to(model_dir)}\0{stat.st_size}\0".encode())
+        if stat.st_size <= CONTENT_HASH_MAX_BYTES:
             digest.update(path.read_bytes())
+        else:
+            digest.update(f"{stat.st_mtime_ns}\0".encode())
     return digest.hexdigest()[:16]
 
 

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -122,7 +123,10 @@ def render_report(
 
     out_dir = Path(out_dir).resolve()
     figures_dir = out_dir / "figures"
-    figures_dir.mkdir(parents=True, exist_ok=True)
+    # Only this rendering's figures: one a study no longer draws (its windowed arms gone, say) must not stay.
+    if figures_dir.exists():
+        shutil.rmtree(figures_dir)
+    figures_dir.mkdir(parents=True)
     tidy_dir = Path(tidy_dir).resolve()
     load_tidy(tidy_dir)  # fail here, with the path in the message, rather than inside the kernel
     parameters = {

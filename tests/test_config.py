@@ -239,3 +239,18 @@ def test_retrained_weights_of_the_same_size_change_the_fingerprint(tmp_path):
     before = model_fingerprint(tmp_path)
     weights.write_bytes(b"b" * (CONTENT_HASH_MAX_BYTES + 1))  # new weights, same size, written later
     assert model_fingerprint(tmp_path) != before
+
+
+@pytest.mark.parametrize(
+    "where, arg",
+    [
+        ("engines", '--additional-config={"wmtp": {"sink": 16, "window": 256}}'),
+        ("engines", "--additional-config.wmtp.window=256"),
+        ("models", "--speculative-config"),
+        ("models", "-sc"),
+    ],
+)
+def test_serve_args_cannot_set_what_the_arms_set(embedded_raw, where, arg):
+    """Else the mtp reference could be windowed (and the window would seem to cost nothing) or the baseline draft."""
+    embedded_raw[where][0]["serve_args"] = [*embedded_raw[where][0].get("serve_args", []), arg]
+    check(embedded_raw, f"{where}[0].serve_args", "which each cell's arm sets")

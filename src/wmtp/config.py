@@ -527,6 +527,37 @@ def _check_remote(where: str, host: str, j: int, engine: Mapping[str, Any], args
         )
 
 
+# vLLM flags that decide a cell's arm: the arm, k, S and W set them. In serve_args they would reach every cell
+# of the engine (or model): the no-draft baseline would draft, or the full-draft reference would be windowed.
+VLLM_ARM_FLAGS = ("--speculative-config", "-sc", "--additional-config")
+
+
+def _arm_flag(arg: str) -> str | None:
+    """The arm-owned vLLM flag ``arg`` sets (``--flag``, ``--flag=value`` or a dotted ``--flag.key``), else None."""
+    for flag in VLLM_ARM_FLAGS:
+        if arg == flag or arg.startswith((f"{flag}=", f"{flag}.")):
+            return flag
+    return None
+
+
+def _check_arm_flags(engines: list[Mapping[str, Any]], models: list[Mapping[str, Any]]) -> None:
+    """Refuse serve_args that would set what each cell's arm sets on a vLLM engine."""
+    sources = [
+        (f"engines[{j}].serve_args", e.get("serve_args", [])) for j, e in enumerate(engines) if e["kind"] == "vllm"
+    ]
+    if any(e["kind"] == "vllm" for e in engines):
+        sources += [(f"models[{i}].serve_args", m.get("serve_args", [])) for i, m in enumerate(models)]
+    for where, args in sources:
+        for arg in args:
+            flag = _arm_flag(str(arg))
+            if flag is not None:
+                raise ConfigError(
+                    f"config: {where} sets {flag}, which each cell's arm sets (no draft, mtp, or the windowed "
+                    "draft's S and W): in serve_args it would reach every cell, so the no-draft baseline could "
+                    "draft or the full-draft reference be windowed; remove it and let the arms decide"
+                )
+
+
 def _check_binds(engines: list[Mapping[str, Any]], models: list[Mapping[str, Any]]) -> None:
     """A server reachable beyond this machine only on purpose and with a key: every cell's argv is engine + model."""
     for j, engine in enumerate(engines):
@@ -637,6 +668,7 @@ def _semantic_checks(raw: Mapping[str, Any], base_dir: Path) -> None:
     _check_warmup(raw["protocol"], raw["models"])
     _check_ring(raw["arms"], raw["engines"], raw["models"])
     _check_binds(raw["engines"], raw["models"])
+    _check_arm_flags(raw["engines"], raw["models"])
     _check_positions(raw["models"], raw["engines"], base_dir)
 
 

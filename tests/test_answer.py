@@ -158,3 +158,26 @@ def test_the_answer_names_the_model_where_a_study_has_two():
     assert list(answer_section(Tidy(requests=one, rungs=rungs, positions=pd.DataFrame())).frame["series"]) == [
         "mtp k=3"
     ]
+
+
+def test_acceptance_bounds_stay_within_what_a_rate_can_be_and_one_prompt_says_so():
+    """Acceptances 0.45, 0.19, 0.01, 0.01 (a window that misses the passage): the t interval reaches -17 %; the
+    table says 0 %. A single prompt has no interval, and the sentence says why rather than citing one."""
+    from wmtp.analyze.answer import _row
+    from wmtp.analyze.intervals import mean_interval
+
+    row = _row(
+        {},
+        {"arm": "wmtp", "k": 3, "sink": 16, "window": 256},
+        "acceptance",
+        mean_interval([0.45, 0.19, 0.01, 0.01]),
+        None,
+    )
+    assert row["lo"] == 0.0 and row["hi"] < 1.0 and row["lo"] <= row["value"] <= row["hi"]
+    change = _row(
+        {}, {"arm": "wmtp", "k": 3, "sink": 16, "window": 256}, "acceptance_change", mean_interval([-0.9, -0.1]), 0.0
+    )
+    assert change["lo"] == -1.0 and change["hi"] <= 1.0
+    requests = screen_requests(_requests({"none": [10.0], "mtp": [8.0]}))
+    one = answer_table(requests, _rungs(requests)).query("quantity == 'speedup'").iloc[0]
+    assert one["n"] == 1 and "no interval" in sentence(one) and "the interval includes" not in sentence(one)

@@ -108,7 +108,13 @@ def test_display_and_figure_draw_every_windowed_draft():
     section = window_cost_section(_requests())
     table = window_cost_display(section)
     assert len(table) == 6 and table["n"].eq(3).all()
-    assert table.loc[table["draft"] == "wmtp S=16 W=256", "vs full draft, points [95 %]"].str.startswith("-50.0").all()
+    assert (
+        table.loc[table["draft"] == "wmtp S=16 W=256", "vs full draft, points [95 % t]"].str.startswith("-50.0").all()
+    )
+    assert (
+        table.loc[table["draft"] != "mtp", "pairs"].eq(3).all()
+        and table.loc[table["draft"] == "mtp", "pairs"].isna().all()
+    )
     fig = window_cost_figure(section)
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and len(ax.get_legend().get_texts()) == 2
@@ -123,24 +129,24 @@ def test_cells_without_per_request_counters_get_a_note_not_an_error():
 
 
 def test_the_section_says_where_the_model_does_not_copy():
-    from wmtp.report.window_cost import MIN_COPIED_TOKENS, window_cost_display, window_cost_section
+    from wmtp.report.window_cost import MIN_COPIED_TOKENS, NOTE_APPROXIMATE, window_cost_display, window_cost_section
 
     frame = _requests()
     frame["copied_tokens"] = [None if w == "plain" else 30 for w in frame["workload"]]
     section = window_cost_section(frame)
-    assert section.notes == () and set(section.frame["copied"]) == {30.0}
-    # every prompt copied 30 tokens: the interval collapses onto the mean
-    assert set(window_cost_display(section)["passage copied, tokens [95 %]"]) == {"30.0 [30.0, 30.0]"}
+    assert section.notes == (NOTE_APPROXIMATE,) and set(section.frame["copied"]) == {30.0}
+    # every prompt copied 30 tokens: no spread, so no interval (not a zero-width one)
+    assert set(window_cost_display(section)["passage copied, tokens [95 % t]"]) == {"30.0"}
     # At 4K the outputs leave the passage at once: the curve cannot show a window's cost there.
     frame.loc[(frame["rung"] == 4096) & (frame["workload"] == "copy"), "copied_tokens"] = MIN_COPIED_TOKENS - 1
-    (note,) = window_cost_section(frame).notes
+    note, _ = window_cost_section(frame).notes
     assert note.startswith("at 4,096 tokens the model reproduced 7.0 tokens") and "cannot show" in note
     frame["copied_tokens"] = [
         None if w == "plain" else 20 + 10 * i for w, i in zip(frame["workload"], frame["index"], strict=True)
     ]
     spread = window_cost_section(frame).frame
     assert (spread["copied"] == 30.0).all() and (spread["copied_lo"] < 30).all() and (spread["copied_hi"] > 30).all()
-    (unknown,) = window_cost_section(_requests()).notes  # cells that did not record it
+    unknown, _ = window_cost_section(_requests()).notes  # cells that did not record it
     assert "not known" in unknown
 
 

@@ -61,14 +61,20 @@ def _cycle_ms(rows: pd.DataFrame) -> pd.Series:
     return 1000.0 * tpv.fillna(rows["rung_tpv"]) / rows["decode_tok_s"]
 
 
+# What a quantity can be: a t interval at 3-5 prompts overshoots these, and a bound outside them is impossible.
+RANGES = {"acceptance": (0.0, 1.0), "acceptance_change": (-1.0, 1.0)}
+
+
 def _row(group: dict, series: dict, quantity: str, interval: Interval, no_effect: float | None) -> dict:
+    least, most = RANGES.get(quantity, (-math.inf, math.inf))
     return {
         **group,
         **series,
         "quantity": quantity,
         "value": interval.value,
-        "lo": interval.lo,
-        "hi": interval.hi,
+        # max/min keep NaN (no interval) as it is: a comparison with NaN is false.
+        "lo": max(interval.lo, least) if math.isfinite(interval.lo) else interval.lo,
+        "hi": min(interval.hi, most) if math.isfinite(interval.hi) else interval.hi,
         "n": interval.n,
         "no_effect": no_effect,
         "verdict": verdict(interval, no_effect) if no_effect is not None else "",
@@ -151,6 +157,8 @@ def sentence(row: pd.Series | dict, qualify: Sequence[str] = ()) -> str:
         "acceptance": "accepts {v} of its drafts",
     }[quantity].format(v=format_value(value, quantity))
     finding = RESOLVED if row["verdict"] == RESOLVED else "not resolved: the interval includes no effect"
+    if not math.isfinite(row["lo"]):
+        finding = "not resolved: one prompt, or no spread over the prompts, gives no interval"
     if not row["verdict"]:
         finding = "measured"
     return f"{series_label(row, qualify)} {what} {span} on {where} — {finding}."

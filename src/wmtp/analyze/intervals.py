@@ -107,15 +107,20 @@ def _clean(values: Sequence[float] | np.ndarray) -> np.ndarray:
 
 
 def mean_interval(values: Sequence[float] | np.ndarray, level: float = LEVEL) -> Interval:
-    """Mean with a Student-t interval; a single value has no interval."""
+    """Mean with a Student-t interval; a single value, or values without spread, have no interval.
+
+    Values that do not vary (two arms that accepted the same on every prompt, say) give the t interval zero
+    width, which would claim certainty from a handful of prompts: no spread observed is not no uncertainty.
+    """
     x = _clean(values)
     n = len(x)
     if n == 0:
         return Interval(math.nan, math.nan, math.nan, 0)
     mean = float(x.mean())
-    if n < 2:
+    sd = float(x.std(ddof=1)) if n > 1 else 0.0
+    if n < 2 or sd == 0.0:
         return Interval(mean, math.nan, math.nan, n)
-    half = t_quantile(0.5 + level / 2.0, n - 1) * float(x.std(ddof=1)) / math.sqrt(n)
+    half = t_quantile(0.5 + level / 2.0, n - 1) * sd / math.sqrt(n)
     return Interval(mean, mean - half, mean + half, n)
 
 

@@ -23,7 +23,7 @@ def _requests(step_ms: dict[str, list[float]], rung: int = 4096, accepted: dict[
                 "cell_id": f"c-{arm}", "model": "m", "engine": "e", "concurrency": 1, "workload": "code",
                 "rung": rung, "repeat": repeat, "slot": 0, "arm": arm, "k": 3 if drafting else 0,
                 "sink": 16.0 if arm == "wmtp" else math.nan, "window": 256.0 if arm == "wmtp" else math.nan,
-                "completion_tokens": 64, "decode_s": 63 * step / 1000, "decode_tok_s": 1000 / step,
+                "completion_tokens": 64, "decode_s": 63 * step / 1000, "decode_tok_s": 1000 / step, "ttft_s": 0.5,
                 "d_drafts": 15.0 if drafting else 0.0, "d_draft_tokens": 45.0 if drafting else 0.0,
                 "d_accepted": acc,
                 "req_tok_per_verify": 1 + acc / 15 if drafting else 1.0,
@@ -78,6 +78,8 @@ def test_a_burst_of_tokens_is_screened_and_drops_out_of_its_pair():
     bad = screened[screened["excluded"]]
     assert list(bad["repeat"]) == [1] and bad["exclusion"].iloc[0].startswith("decode step")
     assert math.isnan(bad["decode_tok_s"].iloc[0])
+    assert math.isnan(bad["ttft_s"].iloc[0])  # its first token came late too
+    assert screened.loc[~screened["excluded"], "ttft_s"].eq(0.5).all()
     floor_ms = np.median([12.0, 12.5, 11.8, 10.0, 9.5]) / STEP_FLOOR_FACTOR
     assert floor_ms > 0.011
     table = answer_table(screened, _rungs(screened))

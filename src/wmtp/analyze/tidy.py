@@ -184,7 +184,9 @@ def screen_requests(frame: pd.DataFrame) -> pd.DataFrame:
         for c, d, k, (_, row) in zip(frame["completion_tokens"], frame["decode_s"], ks, frame.iterrows(), strict=True)
     ]
     frame["excluded"] = frame["exclusion"] != ""
-    rates = [c for c in ("decode_tok_s", "tok_per_j", "req_tok_per_verify", "req_acceptance") if c in frame.columns]
+    # A burst (the whole stream read at once) also makes its first token late: its TTFT goes with its rates.
+    derived = ("decode_tok_s", "tok_per_j", "req_tok_per_verify", "req_acceptance", "ttft_s", "prefill_tok_s")
+    rates = [c for c in derived if c in frame.columns]
     frame.loc[frame["excluded"], rates] = math.nan
     if frame["excluded"].any():
         log.warning("excluded %d impossible request(s): %s", frame["excluded"].sum(),

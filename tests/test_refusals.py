@@ -50,12 +50,12 @@ def checkpoint(directory: Path, config: dict) -> Path:
 
 
 def test_ring_arm_on_a_vllm_engine_runs_without_prefix_caching(embedded_raw):
-    embedded_raw["arms"].append({"name": "wmtp-ring", "k": [3], "sink": [16], "window": [256]})
+    assert embedded_raw["arms"][3]["name"] == "wmtp-ring"  # the embedded study's own ring arm
     assert "wmtp-ring" in {c.arm for c in study_from_dict(embedded_raw).cells()}
 
 
 def test_ring_arm_on_a_vllm_engine_with_prefix_caching_is_refused(embedded_raw):
-    embedded_raw["arms"].append({"name": "wmtp-ring", "k": [3], "sink": [16], "window": [256]})
+    assert embedded_raw["arms"][3]["name"] == "wmtp-ring"
     embedded_raw["models"][0].setdefault("serve_args", []).append("--enable-prefix-caching")
     refused(
         embedded_raw,

@@ -26,6 +26,7 @@ import pandas as pd
 from wmtp.analyze.analysis import WINDOWED_ARMS
 from wmtp.analyze.intervals import Interval, mean_interval, paired_difference_interval
 from wmtp.config import COPY_LEAD_TOKENS
+from wmtp.report.labels import series_label
 from wmtp.report.load import Section
 
 COPY_WORKLOAD = "copy"
@@ -269,14 +270,10 @@ def window_cost_display(section: Section) -> pd.DataFrame:
 
 def draft_label(row: pd.Series, frame: pd.DataFrame) -> str:
     """'wmtp k=3 S=16 W=256', plus the model, engine and concurrency where ``frame`` holds more than one."""
-    label = str(row["arm"])
-    if "k" in row and pd.notna(row["k"]):
-        label += f" k={int(row['k'])}"
-    if pd.notna(row["window"]):
-        label += f" S={int(row['sink'])} W={int(row['window'])}"
-    varies = [c for c in ("model", "engine", "concurrency") if c in frame.columns and frame[c].nunique() > 1]
-    extra = [f"c={row[c]}" if c == "concurrency" else str(row[c]) for c in varies]
-    return f"{label} ({', '.join(extra)})" if extra else label
+    varies = {c: c in frame.columns and frame[c].nunique() > 1 for c in ("model", "engine", "concurrency")}
+    return series_label(
+        row, with_model=varies["model"], with_engine=varies["engine"], with_concurrency=varies["concurrency"]
+    )
 
 
 def window_cost_figure(section: Section):

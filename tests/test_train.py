@@ -206,6 +206,55 @@ def test_training_refuses_an_unpinned_torch(engine_python):
     assert "pinned at 'avx2'" in proc.stdout
 
 
+JOINT_GRADIENTS = """
+import json, torch
+import torch.nn.functional as F
+from transformers import Qwen3NextForCausalLM
+from wmtp.model.tiny import qwen3_next_config
+from wmtp.model.train import TRAINED_SHAPE, build_mtp_head, fast_conv, mtp_losses
+
+torch.manual_seed(0)
+target = Qwen3NextForCausalLM(qwen3_next_config(TRAINED_SHAPE, TRAINED_SHAPE.resolved_layer_types()))
+head = build_mtp_head(TRAINED_SHAPE, 1)
+rows = torch.randint(1, TRAINED_SHAPE.vocab_size, (2, 48))
+out = {}
+with fast_conv():
+    for weight in (0.0, 1.0):
+        target.zero_grad(set_to_none=True)
+        loss, _ = mtp_losses(target, head, rows, 3, (1.0, 0.6, 0.4), None, weight)
+        loss.backward()
+        out[weight] = {"loss": float(loss), "norm_grad": None if target.model.norm.weight.grad is None
+                       else target.model.norm.weight.grad.clone()}
+    target.zero_grad(set_to_none=True)
+    next_token = F.cross_entropy(target(input_ids=rows).logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten())
+    next_token.backward()
+    alone = target.model.norm.weight.grad
+print(json.dumps({
+    "frozen_has_grad": out[0.0]["norm_grad"] is not None,
+    "loss_difference": out[1.0]["loss"] - out[0.0]["loss"],
+    "next_token_loss": float(next_token),
+    "head_part_of_grad": float((out[1.0]["norm_grad"] - alone).abs().sum()),
+}))
+"""
+
+
+@pytest.mark.engine
+def test_training_the_target_with_its_head_adds_its_loss_and_passes_the_heads_gradient(engine_python):
+    """mtp_target_weight > 0: the target's next-token loss joins the head's, and the head's loss reaches the target
+    (its final norm's gradient is more than the next-token loss alone gives); 0: no gradient reaches the target."""
+    proc = subprocess.run(
+        [engine_python, "-c", JOINT_GRADIENTS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not result["frozen_has_grad"]
+    assert result["loss_difference"] == pytest.approx(result["next_token_loss"], rel=1e-4)
+    assert result["head_part_of_grad"] > 1e-6
+
+
 # ------------------------------------------------------------------------------------------------------
 # Under the real vLLM CPU server
 

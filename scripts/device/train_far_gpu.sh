@@ -22,6 +22,12 @@
 #   cp …/farA.tar .gpu-inputs/farA2b.init.tar
 #   OUT=… bash scripts/device/train_far_gpu.sh farA2b '{}' '{"target_steps": 0, "mtp_seconds": 390, "mtp_lr": 0.003,
 #     "mtp_phases": [[0, 48, 2048], [0.35, 16, 4096], [0.65, 3, 16384]]}'
+# then target and head trained together (mtp_target_weight), twice, each run continuing the one before (its
+# checkpoint directory tarred as .gpu-inputs/NAME.init.tar):
+#   OUT=… bash scripts/device/train_far_gpu.sh farJ1 '{}' '{"target_steps": 0, "mtp_target_weight": 1.0,
+#     "mtp_seconds": 450, "mtp_lr": 0.002, "mtp_phases": [[0, 16, 4096], [0.4, 3, 16384]]}'
+#   OUT=… bash scripts/device/train_far_gpu.sh farJ3a '{}' '{"target_steps": 0, "mtp_target_weight": 1.0,
+#     "mtp_seconds": 450, "mtp_lr": 0.002, "mtp_phases": [[0, 16, 4096], [0.5, 3, 16384]]}'
 set -euo pipefail
 # Scratch space of this run only (the device machine is fresh each time).
 work="$(mktemp -d)"

@@ -118,6 +118,10 @@ def test_display_and_figure_draw_every_windowed_draft():
     fig = window_cost_figure(section)
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and len(ax.get_legend().get_texts()) == 2
+    # Two drafts that accept the same must not hide one another: another marker, a smaller one, a thinner line.
+    first, second = (container.lines[0] for container in ax.get_legend_handles_labels()[0])
+    assert first.get_marker() != second.get_marker()
+    assert second.get_markersize() < first.get_markersize() and second.get_linewidth() < first.get_linewidth()
 
 
 def test_cells_without_per_request_counters_get_a_note_not_an_error():

@@ -276,6 +276,9 @@ def draft_label(row: pd.Series, frame: pd.DataFrame) -> str:
     )
 
 
+SERIES_MARKERS = ("o", "s", "^", "D", "v")
+
+
 def window_cost_figure(section: Section):
     """Acceptance (with its interval) against distance / W, one line per windowed draft; the full draft's
     acceptance at each distance as grey marks at W's reach (distance / W = 1 is the window's edge)."""
@@ -285,11 +288,22 @@ def window_cost_figure(section: Section):
     fig, ax = plt.subplots(figsize=(7, 4))
     settings = setting_keys(f)
     windowed = f[f["window"].notna()]
-    for key, g in windowed.groupby([*settings, "arm", "sink", "window"], sort=True):
+    for i, (key, g) in enumerate(windowed.groupby([*settings, "arm", "sink", "window"], sort=True)):
         g = g.sort_values("distance_over_window")
         x, y = g["distance_over_window"], 100 * g["acceptance"]
         err = [y - 100 * g["lo"], 100 * g["hi"] - y]
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=draft_label(g.iloc[0], f))
+        # Drafts that accept the same (the ring and wmtp at one S and W do, by design) would hide one another:
+        # each later series is drawn thinner, with a smaller marker of another shape, so the one beneath shows.
+        ax.errorbar(
+            x,
+            y,
+            yerr=err,
+            marker=SERIES_MARKERS[i % len(SERIES_MARKERS)],
+            markersize=max(3.0, 9.0 - 2.0 * i),
+            linewidth=max(0.8, 2.4 - 0.6 * i),
+            capsize=3,
+            label=draft_label(g.iloc[0], f),
+        )
         same = f["arm"] == FULL_DRAFT_ARM
         for column, value in zip(settings, key[: len(settings)], strict=True):
             same &= f[column] == value

@@ -95,6 +95,12 @@ def test_the_cpu_budgets_keep_the_near_layout_and_no_limits():
         assert budget.target_seconds == 0 and budget.mtp_seconds == 0
 
 
+def test_the_cpu_budgets_keep_the_target_frozen_and_a_negative_weight_is_refused():
+    assert Budget().mtp_target_weight == 0 and TINY_BUDGET.mtp_target_weight == 0
+    with pytest.raises(ValueError, match="mtp_target_weight must be ≥ 0"):
+        Budget(mtp_target_weight=-1.0)
+
+
 def test_fusing_experts_inverts_the_checkpoint_layout():
     from wmtp.model.tiny import _split_fused_experts
     from wmtp.model.train import fuse_experts

@@ -106,7 +106,8 @@ class Budget:
     # Weight of the target's own next-token loss in the MTP stage. 0 keeps the target frozen there. Above 0 the
     # target trains on with its head, the head's loss reaching it through the hidden state it hands over (as MTP
     # models are trained jointly), so that the target learns to carry what the head needs, e.g. the token a copy
-    # has reached, which the head's one attention layer must match against its earlier occurrence.
+    # has reached, which the head's one attention layer must match against its earlier occurrence. The stage's
+    # logged loss then includes the target's, so runs with different weights do not compare by it.
     mtp_target_weight: float = 0.0
     # Where repeated passages sit. "near" (the CPU recipe's): one passage of up to a third of the row,
     # repeated shortly after. "far": up to ``copies_per_row`` passages of ``copy_passage`` tokens per row, each
@@ -136,6 +137,10 @@ class Budget:
     device: str = "cpu"
     eval_batches: int = 4
     log_every: int = 20
+
+    def __post_init__(self) -> None:
+        if self.mtp_target_weight < 0:
+            raise ValueError(f"mtp_target_weight must be ≥ 0 (0 keeps the target frozen), got {self.mtp_target_weight}")
 
 
 # A CPU run is reproducible bit for bit only at one vector level: ATen's kernels, MKL's GEMMs and oneDNN each

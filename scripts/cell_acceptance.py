@@ -3,7 +3,7 @@
 
 Reads the study's tidy requests table (``make run`` writes it); measured requests only, screened ones counted
 and left out. Each point is the mean of per-request acceptance with its 95 % t interval (wmtp.analyze.intervals)
-and n; a copy-task row also gives how many tokens of the passage the output reproduced, on average.
+and n; for the copy task it also prints how many tokens of the passage the output reproduced, on average.
 
     .venv/bin/python scripts/cell_acceptance.py results/embedded
     .venv/bin/python scripts/cell_acceptance.py results/embedded --csv measurements/cpu/embedded_NAME_requests.csv
@@ -74,7 +74,7 @@ def main() -> int:
     args = parser.parse_args()
     requests = pd.read_parquet(args.study_dir / "tidy" / "requests.parquet")
     print(table(requests).to_string())
-    copies = requests[~requests.warmup & (requests.workload == "copy") & (requests.arm != "none")]
+    copies = requests[~requests.warmup & ~requests.excluded & (requests.workload == "copy") & (requests.arm != "none")]
     if not copies.empty:
         print("passage tokens reproduced (mean):", copies.groupby("rung").copied_tokens.mean().round(1).to_dict())
     print("screened requests:", int(requests.excluded.sum()))

@@ -76,8 +76,8 @@ def test_ring_arm_on_sglang_alone_is_left_to_the_sglang_adapter(embedded_raw):
 
 
 def test_a_longest_request_without_room_for_its_draft_is_refused(embedded_raw):
-    # The embedded study: rungs up to 16,384, 64 output tokens, k = 3; 16,448 fit below 16,640 but 16,640 tokens
-    # plus a draft do not.
+    # The embedded study: rungs up to 16,384, 64 output tokens, k = 3. 16,450 holds the longest request but not its
+    # last step's whole draft; 16,451 holds both.
     embedded_raw["models"][0]["max_model_len"] = 16384 + 64 + 2
     refused(
         embedded_raw,

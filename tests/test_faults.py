@@ -77,6 +77,15 @@ def _parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+def _short_tmp_of(pid: int) -> Path | None:
+    """The cell's short temporary folder, as its server was given it (TMPDIR: the engine's sockets live there)."""
+    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if entry.startswith(b"TMPDIR="):
+            found = Path(entry[len(b"TMPDIR=") :].decode())
+            return found if found.name.startswith("wmtp-") else None
+    return None
+
+
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory, engine_python):
     tmp = tmp_path_factory.mktemp("faults")
@@ -110,17 +119,22 @@ def faults(tmp_path_factory, engine_python):
     seen: set[int] = set()
 
     # A: SIGKILL of the cell process while its server serves.
+    killed_tmp = None
     with (tmp / "snakemake-a.log").open("w") as out:
         proc = subprocess.Popen(_snakemake(study), cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         try:
             pgid = _serving_server(cell_log, proc, seen)
             cell_pid = _parent_of(pgid)
+            killed_tmp = _short_tmp_of(pgid)
             os.kill(cell_pid, signal.SIGKILL)
             facts["a_gone_s"] = _gone_within(pgid, KILL_BUDGET_S)
             facts["a_rc"] = proc.wait(timeout=300)
         finally:
             if proc.poll() is None:
                 proc.kill()
+    # A SIGKILLed cell cannot remove its short temporary folder (a cell that ends any other way does): the test does.
+    if killed_tmp is not None:
+        shutil.rmtree(killed_tmp, ignore_errors=True)
     facts["a_files"] = sorted(p.name for p in cell_dir.iterdir()) if cell_dir.exists() else []
 
     # B: a plain rerun; Ctrl-C to Snakemake's whole process group, as a terminal sends it.

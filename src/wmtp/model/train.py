@@ -216,7 +216,7 @@ TINY_BUDGET = Budget(
     max_chars=300_000,
     tokenizer_chars=300_000,
     eval_batches=1,
-    log_every=4,
+    log_every=1,
 )
 
 
@@ -585,6 +585,7 @@ class TrainLog:
     mtp_loss: list[tuple[int, float]] = field(default_factory=list)
     heldout: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
+    probe: list = field(default_factory=list)
 
 
 def _steps(n: int, every: int) -> Iterator[tuple[int, bool]]:
@@ -651,7 +652,46 @@ def _heldout(target_loss, rows: list) -> tuple[float, float]:
 
     with torch.no_grad():
         evals = [target_loss(*r) for r in rows]
-    return round(sum(float(e[0]) for e in evals) / len(evals), 4), round(sum(e[1] for e in evals) / len(evals), 4)
+    return round(sum(float(e[0]) for e in evals) / len(evals), 6), round(sum(e[1] for e in evals) / len(evals), 4)
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it (Linux), else the platform's word for it."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# The trained target's greedy continuations of held-out windows, recorded in the manifest: across CPUs a run
+# reproduces these up to near ties (wmtp.model.reproduce), where its bytes differ.
+PROBE_PROMPTS = 3
+PROBE_PROMPT_TOKENS = 64
+PROBE_TOKENS = 16
+
+
+def greedy_probe(target, stream, device, prompts: int = PROBE_PROMPTS, tokens: int = PROBE_TOKENS) -> list[dict]:
+    """Per held-out window of ``stream``: the greedy tokens and the gap between the top-2 log-probabilities."""
+    import torch
+
+    stride = max((len(stream) - PROBE_PROMPT_TOKENS) // prompts, 1)
+    probes = []
+    with torch.no_grad():
+        for i in range(prompts):
+            seq = stream[i * stride : i * stride + PROBE_PROMPT_TOKENS][None].to(device)
+            ids, gaps = [], []
+            for _ in range(tokens):
+                top = torch.topk(torch.log_softmax(target(input_ids=seq).logits[0, -1].float(), -1), 2)
+                ids.append(int(top.indices[0]))
+                gaps.append(round(float(top.values[0] - top.values[1]), 5))
+                seq = torch.cat([seq, top.indices[:1][None]], dim=1)
+            probes.append({"start": i * stride, "ids": ids, "gaps": gaps})
+    return probes
 
 
 def fuse_experts(state: dict, num_experts: int) -> dict:
@@ -807,7 +847,7 @@ def train_tiny(
             loss, copy_acc, random_acc = target_loss(rows, copied)
 
             def describe(step: int, seconds: float) -> None:
-                record.target_loss.append((step, round(loss.item(), 4), round(copy_acc, 4)))
+                record.target_loss.append((step, round(loss.item(), 6), round(copy_acc, 4)))
                 log.info(
                     "target step %d/%d (%d x %d): loss %.3f, accuracy on repeated passages %.3f%s (%.0f tok/s)",
                     step,
@@ -849,7 +889,7 @@ def train_tiny(
             loss, agree = mtp_losses(target, head, rows, budget.draft_depth, weights, copied, budget.mtp_target_weight)
 
             def describe(step: int, seconds: float) -> None:
-                record.mtp_loss.append((step, round(loss.item(), 4)))
+                record.mtp_loss.append((step, round(loss.item(), 6)))
                 log.info(
                     "mtp step %d/%d (%d x %d): loss %.3f, agreement per draft step %s, on repeated passages %.3f",
                     step,
@@ -882,6 +922,7 @@ def train_tiny(
             per_step = [mtp_losses(target, head, r, budget.draft_depth, weights, c)[1] for r, c in mtp_eval_rows]
         means = [round(sum(s[d] for s in per_step) / len(per_step), 4) for d in range(budget.draft_depth + 1)]
         record.heldout["mtp_agreement"], record.heldout["mtp_copy_agreement"] = means[:-1], means[-1]
+        record.probe = greedy_probe(target, eval_stream, device)
         log.info(
             "MTP held-out agreement with the target's greedy token per draft step (teacher-forced): %s; "
             "draft step 1 on repeated passages: %.3f",
@@ -904,6 +945,7 @@ def train_tiny(
         # The checkpoint's name and file hashes identify it; its path was scratch space on the training machine.
         **({"init": {"from": init.name, "files": json.loads((init / MANIFEST).read_text())["files"]}} if init else {}),
         "threads": budget.threads,
+        "cpu_model": cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_dispatch": dispatch,
         **(
@@ -969,12 +1011,19 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--shape", type=json.loads, default={}, help="JSON overrides of the trained TinyShape")
     t.add_argument("--stdlib", type=Path, help="read the corpus from this standard-library root")
     t.add_argument("--init", type=Path, help="continue from this checkpoint (same shape) instead of the seed's weights")
+    e = sub.add_parser("expect", help="print a trained checkpoint's reproducible course (wmtp.model.reproduce) as JSON")
+    e.add_argument("--model", type=Path, required=True)
     i = sub.add_parser("install", help="copy the committed checkpoint into place, checking its hashes")
     i.add_argument("--out", type=Path, required=True)
     i.add_argument("--fixture", type=Path, default=FIXTURE_DIR)
     i.add_argument("--seed", type=int)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "expect":
+        from wmtp.model.reproduce import expectation
+
+        print(json.dumps(expectation(json.loads((args.model / MANIFEST).read_text())), indent=1))
+        return 0
     if args.command == "install":
         install_fixture(args.out, args.fixture, args.seed)
         return 0

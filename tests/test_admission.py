@@ -200,7 +200,9 @@ def test_the_ring_serves_one_more_request_where_wmtp_queues(engine_python, tmp_p
         plain["steps_with_waiting"] > ring["steps_with_waiting"] or plain["preemptions"]
     )
     assert "SinkWindowSpec" in ring["pages_by_group"] and "SinkWindowSpec" not in plain["pages_by_group"]
-    assert found["same_output"] and found["verdict"] == "ring admits one more"
+    assert found["same_output"], found["output_check"]
+    assert found["output_check"]["ring_vs_same_batches"] == "token-identical"
+    assert found["verdict"] == "ring admits one more"
     assert os.path.exists(out)
 
 
@@ -217,3 +219,39 @@ def test_a_build_of_another_engine_spec_is_refused_before_the_proof_runs(tmp_pat
     with pytest.raises(EngineBuildError, match=f"was built from spec {'a' * 16}, but the study describes spec b"):
         main([*argv, "--engine-hash", "b" * 16])
     assert not (tmp_path / "proof.json").exists()
+
+
+def _outputs(same_batches: list[list[int]], proof: list[list[int]], ring: list[list[int]], gap: float = 1.0) -> dict:
+    def wrap(rows):
+        return [adm.Output(ids, [gap] * len(ids)) for ids in rows]
+
+    return {adm.SAME_BATCHES: wrap(same_batches), "wmtp": wrap(proof), "wmtp-ring": wrap(ring)}
+
+
+def test_the_ring_must_repeat_wmtp_in_the_same_batches_token_for_token():
+    check = adm.output_check(_outputs([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]), eps=0.25)
+    assert check["equal"] and check["ring_vs_same_batches"] == "token-identical"
+    assert check["summary"].endswith("against wmtp in the proof's KV 2 of 2 requests are identical")
+    # Even a near tie may not excuse a difference where the batches were the same.
+    wrong = adm.output_check(_outputs([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]], gap=0.01), 0.25)
+    assert not wrong["equal"] and wrong["ring_vs_same_batches"] == "differs"
+    assert wrong["summary"].startswith("NOT equal")
+
+
+def test_against_wmtp_in_other_batches_a_near_tie_may_flip_but_a_confident_token_may_not():
+    tie = adm.output_check(_outputs([[1, 2, 9]], [[1, 2, 3]], [[1, 2, 9]], gap=0.1), eps=0.25)
+    assert tie["equal"]
+    assert tie["ring_vs_proof_wmtp"][0]["first_divergence"] == 2
+    assert "request 0 at token 2 (gap 0.100)" in tie["summary"]
+    confident = adm.output_check(_outputs([[1, 2, 9]], [[1, 2, 3]], [[1, 2, 9]], gap=2.0), eps=0.25)
+    assert not confident["equal"] and not confident["ring_vs_proof_wmtp"][0]["equal"]
+
+
+def test_top2_gaps_read_vllms_logprobs():
+    class Logprob:
+        def __init__(self, value: float) -> None:
+            self.logprob = value
+
+    gaps = adm.top2_gaps([{7: Logprob(-0.1), 3: Logprob(-2.6)}, {5: Logprob(-0.0)}])
+    assert gaps[0] == pytest.approx(2.5) and gaps[1] == float("inf")
+    assert adm.top2_gaps(None) == []

@@ -352,6 +352,7 @@ ADMISSION_COLUMNS = [
     "preemptions",
     "all_at_once",
     "same_output",
+    "output_check",
     "verdict",
     "predicted_bytes_per_request",
     "predicted_reclaimed_fraction",
@@ -377,6 +378,7 @@ def admission_table(files: list[Path]) -> pd.DataFrame:
             predicted = found.get("predicted") or {}
             row.update(
                 same_output=found["same_output"],
+                output_check=(found.get("output_check") or {}).get("summary"),
                 verdict=found["verdict"],
                 predicted_bytes_per_request=predicted.get(
                     "bytes_per_request_ring" if arm == "wmtp-ring" else "bytes_per_request_wmtp"

@@ -453,7 +453,11 @@ def admission_section(tidy: Tidy) -> Section:
             f"{int(first['prompt_tokens']):,} prompt tokens arrive at once in the same KV memory; what decides is "
             "the most running at once and the preemptions, as the engine counted them after every step (a request "
             "also waits while another's long prefill fills a step). One run (n = 1), no interval. "
-            f"Output identical between the arms: {bool(first['same_output'])}."
+            + (
+                f"Output: {first['output_check']}."
+                if isinstance(first.get("output_check"), str)
+                else f"Output identical between the arms: {bool(first['same_output'])}."
+            )
         )
     return Section(pd.DataFrame(rows), tuple(notes))
 

@@ -135,3 +135,28 @@ def test_parse_config_names_the_bad_field(raw, message):
     with pytest.raises(win.WindowConfigError, match=r"^--additional-config wmtp") as err:
         win.parse_config({"wmtp": raw})
     assert message in str(err.value)
+
+
+def test_host_copies_of_the_lengths_are_windowed_like_the_device_ones():
+    """vLLM ≤ 0.29 keeps host copies of seq_lens (FlashInfer reads them): the windowed copy's match the windowed
+    lengths row by row, and num_computed_tokens_cpu is left to be derived from them."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from wmtp.plugin.hook import _windowed_host_lengths
+
+    cases = list(random_cases(200, seed=5))
+    for block_size in (16, 80, 560):
+        rows = [(s, q) for s, q, _, _, b in cases][:40]
+        sink, window = 16, 256
+        seq_lens = torch.tensor([s for s, _ in rows], dtype=torch.int32)
+        query_start = torch.tensor([0, *torch.tensor([q for _, q in rows]).cumsum(0).tolist()], dtype=torch.int32)
+        cm = SimpleNamespace(_seq_lens_cpu=seq_lens, query_start_loc_cpu=query_start)
+        host = _windowed_host_lengths(cm, sink, window, block_size)
+        expected = [win.windowed_seq_len(s, q, sink, window, block_size) for s, q in rows]
+        assert host["_seq_lens_cpu"].tolist() == expected
+        assert host["_seq_lens_cpu"] is not seq_lens and host["_num_computed_tokens_cpu"] is None
+    assert _windowed_host_lengths(SimpleNamespace(_seq_lens_cpu=None), 16, 256, 16) == {
+        "_seq_lens_cpu": None,
+        "_num_computed_tokens_cpu": None,
+    }

@@ -75,16 +75,36 @@ def windowed_with_drops(cm: Any, config: win.WindowConfig, block_size: int) -> t
 
     bound = win.seq_len_bound(cm.max_query_len, sink, window, block_size)
     upper = cm.seq_lens_cpu_upper_bound
-    windowed = dataclasses.replace(
-        cm,
-        block_table_tensor=new_table,
-        seq_lens=new_seq_lens,
-        max_seq_len=min(cm.max_seq_len, bound),
+    replaced = {
+        "block_table_tensor": new_table,
+        "seq_lens": new_seq_lens,
+        "max_seq_len": min(cm.max_seq_len, bound),
         # Still an upper bound of every windowed length: each is at most its full length and at most bound.
-        seq_lens_cpu_upper_bound=None if upper is None else upper.clamp(max=bound),
-        _num_computed_tokens_cache=None,
-    )
-    return windowed, drop
+        "seq_lens_cpu_upper_bound": None if upper is None else upper.clamp(max=bound),
+        "_num_computed_tokens_cache": None,
+    }
+    if hasattr(cm, "_seq_lens_cpu"):
+        replaced.update(_windowed_host_lengths(cm, sink, window, block_size))
+    return dataclasses.replace(cm, **replaced), drop
+
+
+def _windowed_host_lengths(cm: Any, sink: int, window: int, block_size: int) -> dict[str, Any]:
+    """The deprecated host copies of the lengths (vLLM ≤ 0.29), windowed without a device sync.
+
+    A host copy of ``seq_lens`` is windowed by the same arithmetic on the host (``query_start_loc_cpu`` gives the
+    query lengths); without one, none is made here, and a backend that asks derives it from the windowed device
+    lengths. ``num_computed_tokens_cpu`` is always left to be derived from the windowed ``seq_lens_cpu``.
+    ``propose()`` increments the originals in place between draft steps; the copy owns new tensors.
+    """
+    host = cm._seq_lens_cpu
+    if host is None:
+        return {"_seq_lens_cpu": None, "_num_computed_tokens_cpu": None}
+    n = host.shape[0]
+    query_start = cm.query_start_loc_cpu
+    query_lens = query_start[1 : n + 1] - query_start[:n]
+    window_start = (host - query_lens - window).clamp(min=0)
+    drop = (torch.div(window_start, block_size, rounding_mode="floor") - win.sink_blocks(sink, block_size)).clamp(min=0)
+    return {"_seq_lens_cpu": host - drop * block_size, "_num_computed_tokens_cpu": None}
 
 
 @dataclasses.dataclass

@@ -35,6 +35,10 @@ WINDOWED_FIELDS = (
     "seq_lens_cpu_upper_bound",
     "block_table_tensor",
     "_num_computed_tokens_cache",  # reset: recomputed from the windowed seq_lens
+    # Host copies of the lengths (vLLM ≤ 0.29; FlashInfer reads them): windowed on the host from the host copy,
+    # or reset, so that a backend that asks derives them from the windowed device lengths.
+    "_seq_lens_cpu",
+    "_num_computed_tokens_cpu",
 )
 # Left as they are: they describe the queries (where they sit, where their KV is written), the batch, or
 # state that attention builders do not read.
@@ -60,6 +64,7 @@ KEPT_FIELDS = (
 # Refused when set: they index the keys by logical position, which windowing shifts.
 REFUSED_FIELDS = (
     "dcp_local_seq_lens",
+    "dcp_local_seq_lens_cpu",
     "dcp_local_seq_lens_cpu_upper_bound",
     "rswa_prefix_lens",
     "mm_req_doc_ranges",

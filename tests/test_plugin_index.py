@@ -137,26 +137,43 @@ def test_parse_config_names_the_bad_field(raw, message):
     assert message in str(err.value)
 
 
-def test_host_copies_of_the_lengths_are_windowed_like_the_device_ones():
-    """vLLM ≤ 0.29 keeps host copies of seq_lens (FlashInfer reads them): the windowed copy's match the windowed
-    lengths row by row, and num_computed_tokens_cpu is left to be derived from them."""
+def test_host_copies_of_the_lengths_are_reset_so_a_backend_derives_the_windowed_ones():
+    """vLLM ≤ 0.29 keeps host copies of seq_lens (FlashInfer reads them): the windowed copy drops them, so that
+    vLLM's seq_lens_cpu derives them from the windowed device lengths; the shared metadata keeps its own."""
     torch = pytest.importorskip("torch")
-    from types import SimpleNamespace
+    import dataclasses
 
-    from wmtp.plugin.hook import _windowed_host_lengths
+    from wmtp.plugin.hook import windowed_with_drops
 
-    cases = list(random_cases(200, seed=5))
-    for block_size in (16, 80, 560):
-        rows = [(s, q) for s, q, _, _, b in cases][:40]
-        sink, window = 16, 256
-        seq_lens = torch.tensor([s for s, _ in rows], dtype=torch.int32)
-        query_start = torch.tensor([0, *torch.tensor([q for _, q in rows]).cumsum(0).tolist()], dtype=torch.int32)
-        cm = SimpleNamespace(_seq_lens_cpu=seq_lens, query_start_loc_cpu=query_start)
-        host = _windowed_host_lengths(cm, sink, window, block_size)
-        expected = [win.windowed_seq_len(s, q, sink, window, block_size) for s, q in rows]
-        assert host["_seq_lens_cpu"].tolist() == expected
-        assert host["_seq_lens_cpu"] is not seq_lens and host["_num_computed_tokens_cpu"] is None
-    assert _windowed_host_lengths(SimpleNamespace(_seq_lens_cpu=None), 16, 256, 16) == {
-        "_seq_lens_cpu": None,
-        "_num_computed_tokens_cpu": None,
-    }
+    @dataclasses.dataclass
+    class Metadata:  # the fields of vLLM 0.24's CommonAttentionMetadata that windowing reads or replaces
+        query_start_loc: object
+        query_start_loc_cpu: object
+        seq_lens: object
+        max_query_len: int
+        max_seq_len: int
+        block_table_tensor: object
+        seq_lens_cpu_upper_bound: object = None
+        _seq_lens_cpu: object = None
+        _num_computed_tokens_cpu: object = None
+        _num_computed_tokens_cache: object = None
+
+    seq_lens = torch.tensor([5000, 700, 40], dtype=torch.int32)
+    query_start = torch.tensor([0, 1, 5, 45], dtype=torch.int32)
+    cm = Metadata(
+        query_start,
+        query_start.clone(),
+        seq_lens,
+        40,
+        5000,
+        torch.arange(120, dtype=torch.int32).reshape(3, 40),
+        seq_lens.clone(),
+        seq_lens.clone(),
+        seq_lens.clone() - 1,
+    )
+    windowed, _ = windowed_with_drops(cm, win.WindowConfig(16, 256), 128)
+    assert windowed._seq_lens_cpu is None and windowed._num_computed_tokens_cpu is None
+    assert cm._seq_lens_cpu.tolist() == [5000, 700, 40]
+    assert windowed.seq_lens.tolist() == [
+        win.windowed_seq_len(s, q, 16, 256, 128) for s, q in ((5000, 1), (700, 4), (40, 40))
+    ]

@@ -26,6 +26,7 @@ from wmtp.plugin.hookpoints import HookPointError
 log = logging.getLogger("vllm.wmtp")
 
 STATE_ATTR = "_wmtp_window"
+HOST_LENGTH_COPIES = ("_seq_lens_cpu", "_num_computed_tokens_cpu")
 _ORIGINAL = "__wmtp_original__"
 
 
@@ -83,28 +84,12 @@ def windowed_with_drops(cm: Any, config: win.WindowConfig, block_size: int) -> t
         "seq_lens_cpu_upper_bound": None if upper is None else upper.clamp(max=bound),
         "_num_computed_tokens_cache": None,
     }
-    if hasattr(cm, "_seq_lens_cpu"):
-        replaced.update(_windowed_host_lengths(cm, sink, window, block_size))
+    # vLLM ≤ 0.29 keeps deprecated host copies of the lengths, which FlashInfer reads: reset, as propose() itself
+    # does between draft steps, so a backend that asks derives them from the windowed device lengths (one copy to
+    # the host). Windowing the host copy instead would inherit its aliasing with seq_lens_cpu_upper_bound, which
+    # propose() increments in place, so it can run ahead of the device lengths.
+    replaced.update({name: None for name in HOST_LENGTH_COPIES if hasattr(cm, name)})
     return dataclasses.replace(cm, **replaced), drop
-
-
-def _windowed_host_lengths(cm: Any, sink: int, window: int, block_size: int) -> dict[str, Any]:
-    """The deprecated host copies of the lengths (vLLM ≤ 0.29), windowed without a device sync.
-
-    A host copy of ``seq_lens`` is windowed by the same arithmetic on the host (``query_start_loc_cpu`` gives the
-    query lengths); without one, none is made here, and a backend that asks derives it from the windowed device
-    lengths. ``num_computed_tokens_cpu`` is always left to be derived from the windowed ``seq_lens_cpu``.
-    ``propose()`` increments the originals in place between draft steps; the copy owns new tensors.
-    """
-    host = cm._seq_lens_cpu
-    if host is None:
-        return {"_seq_lens_cpu": None, "_num_computed_tokens_cpu": None}
-    n = host.shape[0]
-    query_start = cm.query_start_loc_cpu
-    query_lens = query_start[1 : n + 1] - query_start[:n]
-    window_start = (host - query_lens - window).clamp(min=0)
-    drop = (torch.div(window_start, block_size, rounding_mode="floor") - win.sink_blocks(sink, block_size)).clamp(min=0)
-    return {"_seq_lens_cpu": host - drop * block_size, "_num_computed_tokens_cpu": None}
 
 
 @dataclasses.dataclass

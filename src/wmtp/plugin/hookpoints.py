@@ -35,8 +35,8 @@ WINDOWED_FIELDS = (
     "seq_lens_cpu_upper_bound",
     "block_table_tensor",
     "_num_computed_tokens_cache",  # reset: recomputed from the windowed seq_lens
-    # Host copies of the lengths (vLLM ≤ 0.29; FlashInfer reads them): windowed on the host from the host copy,
-    # or reset, so that a backend that asks derives them from the windowed device lengths.
+    # Host copies of the lengths (vLLM ≤ 0.29; FlashInfer reads them): reset, so that a backend that asks derives
+    # them from the windowed device lengths.
     "_seq_lens_cpu",
     "_num_computed_tokens_cpu",
 )

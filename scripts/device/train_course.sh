@@ -5,8 +5,8 @@
 # must reproduce it (tests/test_train.py).
 #
 # Inputs in .gpu-inputs/train/ at the repository root (ignored by git), carried in:
-#   transformers, tokenizers, huggingface_hub, pydantic (+ pydantic_core, annotated_types, typing_inspection,
-#   typing_extensions) wheels for CPython 3.12 at the engine venv's versions
+#   transformers, tokenizers, huggingface_hub (+ httpx2, httpcore2, sniffio), pydantic (+ pydantic_core,
+#   annotated_types, typing_inspection, typing_extensions) wheels for CPython 3.12 at the engine venv's versions
 #   stdlib.tar.gz   CPython 3.11's standard-library .py files (the corpus; that machine runs 3.12)
 # Usage, from the repository root: OUT=/path/to/out bash scripts/device/train_course.sh
 # Writes $OUT/course-LEVEL.json, $OUT/train-LEVEL.log and $OUT/cpu.txt.

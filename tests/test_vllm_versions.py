@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import io
+import json
 import random
 import re
 import threading
@@ -127,10 +128,10 @@ def test_a_server_that_ignores_ranges_is_refused_before_its_body_is_read(wheel_s
 
 
 def test_a_wheel_with_an_unclassified_length_field_is_refused(wheel_server, tmp_path):
-    body = _wheel_bytes(backend=FAKE_BACKEND + "    _seq_lens_cpu: object = None\n")
+    body = _wheel_bytes(backend=FAKE_BACKEND + "    _context_lens_cpu: object = None\n")
     result, _ = _check_served(wheel_server, tmp_path, body)
     assert result["status"] == "refused"
-    assert "fields ['_seq_lens_cpu'] that the wmtp plugin neither windows, keeps nor refuses" in result["reason"]
+    assert "fields ['_context_lens_cpu'] that the wmtp plugin neither windows, keeps nor refuses" in result["reason"]
 
 
 def test_a_v2_runner_without_the_switch_is_refused(wheel_server, tmp_path):
@@ -178,6 +179,28 @@ def test_status_rows_mark_only_passing_pinned_versions_tested():
     assert "| 0.9.0 | refused | — | — | r |" in table and "| 0.32.0 | tested | V1 | — | — |" in table
 
 
+def test_versions_whose_gpu_proofs_all_passed_are_tested_on_the_gpu(tmp_path):
+    checks = [{"version": v, "status": "checked", "runner": "V1", "reason": ""} for v in ("0.24.0", "0.25.0", "0.32.0")]
+    proofs = {"engine": {"vllm": "0.24.0"}, "passed": True, "proofs": {"patched": True, "windowed": True}}
+    (tmp_path / "ok.json").write_text(json.dumps(proofs))
+    (tmp_path / "failed.json").write_text(
+        json.dumps(
+            {**proofs, "engine": {"vllm": "0.25.0"}, "passed": False, "proofs": {"patched": True, "windowed": False}}
+        )
+    )
+    gpu = vv.gpu_tested_versions([tmp_path / "ok.json", tmp_path / "failed.json", tmp_path / "missing.json"])
+    assert gpu == {"0.24.0"}
+    rows = vv.status_rows(checks, tested={"0.32.0"}, gpu_tested=gpu | {"0.32.0"})
+    assert [r["status"] for r in rows] == ["tested (GPU)", "checked", "tested (CPU and GPU)"]
+
+
+def test_the_committed_gpu_proofs_name_a_version_the_table_lists_as_tested_on_the_gpu():
+    gpu = vv.gpu_tested_versions([vv.GPU_PROOFS])
+    assert gpu == {"0.24.0"}
+    table = (REPO / "docs" / "vllm-versions.md").read_text()
+    assert "| 0.24.0 | tested (GPU) |" in table
+
+
 def test_the_embedded_engine_pin_is_the_tested_version():
     assert vv.tested_versions([REPO / "config" / "config.yaml"]) == {"0.32.0"}
 
@@ -186,7 +209,7 @@ def test_the_readme_shows_the_committed_table():
     table = (REPO / "docs" / "vllm-versions.md").read_text().split("\n\n")[-1]
     readme = (REPO / "README.md").read_text()
     assert vv.replace_block(readme, table) == readme, "README's vLLM table differs from docs/vllm-versions.md"
-    tested = [line for line in table.splitlines() if "| tested |" in line]
+    tested = [line for line in table.splitlines() if "| tested |" in line or "| tested (CPU and GPU) |" in line]
     assert [line.split("|")[1].strip() for line in tested] == sorted(
         vv.tested_versions([REPO / "config" / "config.yaml"])
     )

@@ -7,6 +7,8 @@ through :func:`wmtp.engines.vllm_hooks.check_hook_points` exactly as the build r
 installed vLLM. Each version is then:
 
 - ``tested``: an engine of this version runs the test suite (the CPU build the embedded study uses);
+- ``tested (GPU)``: the plugin's proofs ran in this version's CUDA build on a GPU and all passed
+  (``measurements/h200/vllm_gpu_proofs.json``, written by ``scripts/device/vllm_gpu_proofs.py``);
 - ``checked``: its source passes the build's check, but no test ran it;
 - ``refused``: the check fails, for the reason given: no windowed arm runs on it (the build of an engine that
   the study windows fails; other engines serve ``none`` and ``mtp``).
@@ -143,14 +145,22 @@ def check_sources(root: Path, version: str) -> dict[str, Any]:
     return {"version": version, "status": "checked", "runner": found["runner"], "ring": ring, "reason": ""}
 
 
-def status_rows(checks: Iterable[dict[str, Any]], tested: Iterable[str]) -> list[dict[str, Any]]:
-    """Mark the versions an engine of the test suite runs as ``tested`` (only where the check passed)."""
-    tested = set(tested)
+# (tested on the CPU, tested on a GPU) -> the table's word
+STATUS_BY_TESTS = {(True, False): "tested", (False, True): "tested (GPU)", (True, True): "tested (CPU and GPU)"}
+
+
+def status_rows(
+    checks: Iterable[dict[str, Any]], tested: Iterable[str], gpu_tested: Iterable[str] = ()
+) -> list[dict[str, Any]]:
+    """Mark the versions an engine of the test suite runs as ``tested`` and those whose committed GPU proofs all
+    passed as ``tested (GPU)`` (only where the check passed)."""
+    tested, gpu_tested = set(tested), set(gpu_tested)
     rows = []
     for check in checks:
         row = dict(check)
-        if row["status"] == "checked" and row["version"] in tested:
-            row["status"] = "tested"
+        if row["status"] == "checked":
+            marks = (row["version"] in tested, row["version"] in gpu_tested)
+            row["status"] = STATUS_BY_TESTS.get(marks, "checked")
         rows.append(row)
     return sorted(rows, key=lambda r: tuple(int(p) if p.isdigit() else p for p in r["version"].split(".")))
 
@@ -188,6 +198,23 @@ def tested_versions(config_files: Iterable[Path]) -> set[str]:
     return found
 
 
+# The plugin's proofs in a CUDA build, as scripts/device/vllm_gpu_proofs.py writes them on a GPU machine.
+GPU_PROOFS = REPO_ROOT / "measurements" / "h200" / "vllm_gpu_proofs.json"
+
+
+def gpu_tested_versions(proof_files: Iterable[Path]) -> set[str]:
+    """The vLLM versions whose committed GPU proofs ran and all passed."""
+    import json
+
+    found = set()
+    for path in proof_files:
+        if path.exists():
+            proofs = json.loads(path.read_text())
+            if proofs.get("passed") and proofs.get("proofs") and all(proofs["proofs"].values()):
+                found.add(proofs["engine"]["vllm"])
+    return found
+
+
 def check_versions(versions: Sequence[str]) -> list[dict[str, Any]]:
     import httpx
 
@@ -212,7 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    rows = status_rows(check_versions(args.versions), tested_versions([REPO_ROOT / "config" / "config.yaml"]))
+    rows = status_rows(
+        check_versions(args.versions),
+        tested_versions([REPO_ROOT / "config" / "config.yaml"]),
+        gpu_tested_versions([GPU_PROOFS]),
+    )
     table = render_table(rows)
     args.table.write_text(
         "# vLLM versions\n\nWritten by `python -m wmtp.engines.vllm_versions` from the engine build's hook check "

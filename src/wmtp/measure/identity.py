@@ -23,6 +23,7 @@ from wmtp.config import (
     WINDOWED_ARMS,
     Cell,
     Study,
+    architecture_file,
 )
 from wmtp.engines.build import spec_hash
 
@@ -79,6 +80,10 @@ def cell_identity(study: Study, cell: Cell, base_dir: Path | str = ".") -> dict[
         # that Snakemake tracks itself, and their spec (generator, seed) is in the entry.
         path = Path(model.path)
         entry["files"] = model_fingerprint(path if path.is_absolute() else Path(base_dir) / path)
+    elif model.generate == "dummy" and model.architecture:
+        # The checkpoint is written from the architecture's facts file: an edit there changes what is measured.
+        facts = architecture_file(model.architecture).read_bytes()
+        entry["architecture_sha256"] = hashlib.sha256(facts).hexdigest()[:16]
     return {
         "cell": cell.model_dump(mode="json", exclude={"study"}),
         "protocol": protocol_identity(study),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -70,7 +71,7 @@ def test_one_row_per_shape_with_the_cycle_time_its_spread_and_n(tidy):
     assert none["n"] == 2 and none["step_ms"] == pytest.approx(10.3125)
     assert (none["step_ms_min"], none["step_ms_max"]) == pytest.approx((10.0, 10.625))
     assert none["ttft_s"] == pytest.approx(10.0) and (none["ttft_s_min"], none["ttft_s_max"]) == (9.0, 11.0)
-    assert math.isnan(none["S"]) and math.isnan(none["windowed_forwards"])
+    assert pd.isna(none["S"]) and math.isnan(none["windowed_forwards"])
     # 1.25 tokens per cycle: 128 tokens took 102.4 cycles of 50 ms.
     assert table.iloc[2]["step_ms"] == pytest.approx(50.0) and table.iloc[2]["tokens_per_cycle"] == 1.25
     wmtp = table.iloc[3]
@@ -110,3 +111,21 @@ def test_a_cell_study_narrowed_to_one_rung_keeps_that_rungs_repeats(repo, capsys
     assert raw["protocol"]["rungs"] == [1048576] and raw["protocol"]["repeats"] == [2]
     assert raw["arms"] == [{"name": "wmtp", "k": [3], "sink": [16], "window": [4096]}]
     assert main(["cell-study", "--config", config, "--cell", cell, "--rungs", "4096"]) == 2
+
+
+def test_real_raw_cells_give_a_row_per_arm_and_rung(tmp_path):
+    """Raw files of a real CPU run → wmtp.analyze.tidy.collect → the step file: every shape has its cycle time."""
+    from wmtp.analyze.tidy import collect
+
+    raw = Path(__file__).parent / "fixtures" / "embedded-trained-run" / "raw"
+    cells = sorted(m.parent for m in raw.rglob("manifest.json"))
+    collect(cells, tmp_path / "tidy", [], None)
+    requests, rungs = (pd.read_parquet(tmp_path / "tidy" / f"{name}.parquet") for name in ("requests", "rungs"))
+    table = step_table(requests, rungs, engine_version="0.32.0")
+    # The fixture's study also ran the copy task; the step file is of the code workload's rungs.
+    assert len(table) == (rungs["workload"] == "code").sum()
+    assert table["step_ms"].notna().all() and (table["n"] > 0).all()
+    drafting = table[table["arm"] != "none"]
+    assert (drafting["tokens_per_cycle"] > 1).all()  # a trained head accepts: cycles are fewer than tokens
+    assert set(table.loc[table["arm"] == "wmtp", "W"]) == {256, 1024}
+    assert table.loc[table["arm"] == "none", "S"].isna().all()

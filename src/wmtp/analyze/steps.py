@@ -97,6 +97,8 @@ def step_table(
             }
         )
     table = pd.DataFrame(rows, columns=COLUMNS)
+    # Whole numbers where there is a window, empty where there is none (not 16.0 and NaN).
+    table[["S", "W"]] = table[["S", "W"]].astype("Int64")
     order = {"none": 0, "mtp": 1, "wmtp": 2, "wmtp-ring": 3}
     table = table.sort_values(
         ["arm", "k", "S", "W", "context", "batch"], key=lambda c: c.map(order) if c.name == "arm" else c

@@ -60,6 +60,7 @@ rule dummy_model:
         config=MODELS / "{model}" / "config.json",
         tokenizer=MODELS / "{model}" / "tokenizer.json",
         tokenizer_config=MODELS / "{model}" / "tokenizer_config.json",
+        manifest=MODELS / "{model}" / "wmtp-model.json",
     wildcard_constraints:
         model=generated_names("dummy"),
     log:

@@ -9,7 +9,7 @@ from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
 from wmtp import layout
-from wmtp.config import ConfigError, resolved_study_json, study_from_dict
+from wmtp.config import ConfigError, architecture_file, resolved_study_json, study_from_dict
 from wmtp.model.hub import DOWNLOAD_MANIFEST
 from wmtp.measure.identity import cell_identity, cell_study, identity_hash
 from wmtp.engines.build import CHECKS_VERSION as ENGINE_CHECKS_VERSION

@@ -1,6 +1,7 @@
 # Models that the pipeline generates: the tiny hybrid MTP checkpoint of the embedded default, with
 # random weights (generate: tiny) or trained (generate: trained: the committed fixture, checked
-# against its hashes; rule train_tiny trains the CPU recipe of the same family from scratch).
+# against its hashes; rule train_tiny trains the CPU recipe of the same family from scratch); and
+# weightless checkpoints of a real architecture (generate: dummy), served with --load-format dummy.
 
 
 rule tiny_model:
@@ -47,6 +48,33 @@ rule trained_model:
         "../envs/pipeline.yaml"
     shell:
         "{params.py} -m wmtp.model.train install --fixture {params.fixture:q} --out {params.out:q} --seed {params.seed:q} > {log:q} 2>&1"
+
+
+# config.json and a padded tokenizer from an architecture facts file (wmtp.model.dummy): seconds, tokenizers only.
+rule dummy_model:
+    localrule: True
+    input:
+        architecture=lambda wc: architecture_file(STUDY.model(wc.model).architecture),
+        tokenizer=TRAINED_FIXTURE / "tokenizer.json",
+    output:
+        config=MODELS / "{model}" / "config.json",
+        tokenizer=MODELS / "{model}" / "tokenizer.json",
+        tokenizer_config=MODELS / "{model}" / "tokenizer_config.json",
+        manifest=MODELS / "{model}" / "wmtp-model.json",
+    wildcard_constraints:
+        model=generated_names("dummy"),
+    log:
+        MODELS / "{model}.log",
+    params:
+        py=PY,
+        out=lambda wc: MODELS / wc.model,
+        # Its max_position_embeddings: the study's length for the model, which the config check relies on.
+        max_len=lambda wc: STUDY.model(wc.model).max_model_len,
+    conda:
+        "../envs/pipeline.yaml"
+    shell:
+        "{params.py} -m wmtp.model.dummy --architecture {input.architecture:q} --out {params.out:q} "
+        "--max-position-embeddings {params.max_len:q} > {log:q} 2>&1"
 
 
 # Trains the CPU recipe (wmtp.model.train, "cpu": 512-token rows, bitwise reproducible) from scratch on this CPU

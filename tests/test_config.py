@@ -185,7 +185,9 @@ def test_the_copy_tasks_construction_is_part_of_a_cells_identity(embedded_raw, m
     assert "copy_task" not in identity.protocol_identity(study_from_dict(embedded_raw))
 
 
-@pytest.mark.parametrize("study_file", ["config.yaml", "studies/paper-1m.yaml", "studies/spark-128k.yaml"])
+@pytest.mark.parametrize(
+    "study_file", ["config.yaml", "studies/paper-1m.yaml", "studies/spark-128k.yaml", "studies/h200-vllm.yaml"]
+)
 def test_a_cell_recomputes_the_identity_the_workflow_planned(repo, study_file):
     """The workflow plans each cell's identity on the whole study; the cell job recomputes it on the study
     narrowed to itself (its one arm setting and one concurrency). They must agree for every cell, or no cell of

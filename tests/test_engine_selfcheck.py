@@ -87,3 +87,13 @@ def test_a_hook_check_that_fails_fails_the_build_only_where_the_study_windows(tm
     # an engine built for none/mtp is checked again when the study adds a windowed arm
     with pytest.raises(EngineBuildError, match="runs windowed arms"):
         build_engine(spec, tmp_path / "plain", windowed=True)
+
+
+def test_an_interpreter_given_by_name_is_recorded_by_its_path(tmp_path, monkeypatch):
+    from wmtp.engines.build import build_engine
+
+    python = _fake_engine(tmp_path, {"vllm": "0.24.0"}).python
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    spec = EngineSpec(name="named", kind="vllm", device="cuda", source="python", python="python")
+    manifest = build_engine(spec, tmp_path / "named")
+    assert manifest["python"] == python and manifest["spec"]["python"] == "python"

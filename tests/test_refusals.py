@@ -184,6 +184,69 @@ def test_generated_models_use_the_shape_they_are_built_with(embedded_raw):
     )
 
 
+# --- generate: dummy ---------------------------------------------------------------------------------
+
+
+def _dummy(embedded_raw: dict, **model) -> dict:
+    entry = {
+        "name": "dummy",
+        "generate": "dummy",
+        "architecture": "qwen3.6-35b-a3b",
+        "max_model_len": 16640,
+        "serve_args": ["--load-format", "dummy"],
+    }
+    embedded_raw["models"] = [{**entry, **model}]
+    return embedded_raw
+
+
+def test_a_dummy_model_names_a_gdn_moe_architecture_and_loads_dummy_weights(embedded_raw):
+    study = study_from_dict(_dummy(embedded_raw))
+    assert study.model("dummy").architecture == "qwen3.6-35b-a3b"
+
+
+def test_a_dummy_model_served_without_dummy_weights_is_refused(embedded_raw):
+    refused(_dummy(embedded_raw, serve_args=[]), "config: models[0].serve_args must hold --load-format dummy")
+    overridden = ["--load-format", "dummy", "--load-format=safetensors"]  # the last one is what vLLM uses
+    refused(_dummy(embedded_raw, serve_args=overridden), "--load-format dummy")
+
+
+def test_a_dummy_model_of_another_family_or_unknown_architecture_is_refused(embedded_raw):
+    refused(
+        _dummy(embedded_raw, architecture="nemotron-3-super-120b-a12b"),
+        "models[0].architecture 'nemotron-3-super-120b-a12b': nemotron-3-super-120b-a12b.json is of family "
+        "'mamba2_moe'",
+    )
+    refused(_dummy(embedded_raw, architecture="nope"), "models[0].architecture 'nope': no ", "known: ")
+    raw = _dummy(embedded_raw)
+    del raw["models"][0]["architecture"]
+    refused(raw, "models[0].architecture must name the dummy model's architecture")
+
+
+def test_architecture_belongs_to_dummy_models_only(embedded_raw):
+    embedded_raw["models"][0]["architecture"] = "qwen3.6-35b-a3b"
+    refused(embedded_raw, "models[0].architecture only applies to generate: dummy")
+
+
+def test_a_dummy_checkpoint_is_as_long_as_its_max_model_len(embedded_raw):
+    # wmtp.model.dummy writes max_model_len as max_position_embeddings: no 32K limit of the tiny shapes.
+    study = study_from_dict(_dummy(embedded_raw, max_model_len=1_049_600))
+    assert study.model("dummy").max_model_len == 1_049_600
+
+
+def test_a_dummy_models_identity_follows_its_architecture_file(embedded_raw, monkeypatch, tmp_path):
+    from wmtp import config
+    from wmtp.measure.identity import cell_identity, identity_hash
+
+    study = study_from_dict(_dummy(embedded_raw))
+    cell = study.cells()[0]
+    before = identity_hash(cell_identity(study, cell))
+    facts = json.loads(config.architecture_file("qwen3.6-35b-a3b").read_text())
+    facts["moe"]["top_k"] = 4
+    (tmp_path / "qwen3.6-35b-a3b.json").write_text(json.dumps(facts))
+    monkeypatch.setattr(config, "ARCHITECTURES_DIR", tmp_path)
+    assert identity_hash(cell_identity(study, cell)) != before
+
+
 def test_paper_study_serves_beyond_the_native_length_on_purpose(repo, tmp_path, monkeypatch):
     # Its SGLang engine allows a --context-length beyond config.json's; without that the checkpoints are refused.
     monkeypatch.chdir(tmp_path)
@@ -246,8 +309,9 @@ def test_serve_block_size(argv, block):
     assert serve_block_size(argv) == block
 
 
-def test_shipped_studies_have_no_warnings(repo):
-    assert study_warnings(load_study(repo / "config" / "config.yaml")) == []
+@pytest.mark.parametrize("study_file", ["config.yaml", "studies/h200-vllm.yaml"])
+def test_shipped_studies_have_no_warnings(repo, study_file):
+    assert study_warnings(load_study(repo / "config" / study_file)) == []
 
 
 # --- the study file itself ---------------------------------------------------------------------------

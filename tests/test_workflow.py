@@ -69,6 +69,26 @@ def test_spark_profile_dry_run_as_typed(spark_model_placeholder):
     assert re.search(r"resources: .*gpu=1", text)
 
 
+def test_h200_study_dry_run(tmp_path):
+    """The H200 study plans its weightless model, its engine, every cell, collect and the report."""
+    out = run(
+        "-n",
+        "--configfile",
+        "config/studies/h200-vllm.yaml",
+        "--config",
+        f"results_dir={tmp_path}/results",
+        f"models_dir={tmp_path}/models",
+        f"engines_dir={tmp_path}/engines",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    jobs = job_counts(out.stdout)
+    assert jobs["dummy_model"] == 1 and jobs["engine"] == 1 and jobs["cell"] == 7
+    assert jobs["collect"] == 1 and jobs["report"] == 1
+    assert "tiny_model" not in jobs and "trained_model" not in jobs
+    assert re.search(r"-m wmtp\.model\.dummy --architecture \S*/config/models/qwen3\.6-35b-a3b\.json ", out.stdout)
+    assert "--max-position-embeddings 1049600" in out.stdout
+
+
 def test_bad_config_fails_before_anything_runs(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((REPO / "config" / "config.yaml").read_text().replace("k: [3]", "k: [0]"))

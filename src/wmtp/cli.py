@@ -79,6 +79,36 @@ def cmd_cell_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cell_study(args: argparse.Namespace) -> int:
+    from wmtp.measure.identity import cell_study, narrow_rungs
+
+    study = _study(args)
+    cell = Cell.from_id(study.study, args.cell)
+    if cell not in study.cells():
+        raise ConfigError(f"cell {args.cell!r} is not in study {study.study!r}")
+    raw = cell_study(study, cell)
+    if args.rungs:
+        raw = narrow_rungs(raw, args.rungs)
+    print(json.dumps(raw, sort_keys=True))
+    return 0
+
+
+def cmd_step_table(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from wmtp.analyze.steps import step_table
+
+    tables: dict[str, list[pd.DataFrame]] = {name: [] for name in ("requests", "rungs")}
+    for folder in args.tidy:  # a study's tidy folder, or one per rung of a study run rung by rung
+        for name, frames in tables.items():
+            frames.append(pd.read_parquet(folder / f"{name}.parquet"))
+    requests, rungs = (pd.concat(frames, ignore_index=True) for frames in tables.values())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    step_table(requests, rungs, args.engine_version, workload=args.workload).to_csv(args.out, index=False)
+    logging.getLogger("wmtp").info("wrote %s", args.out)
+    return 0
+
+
 def cmd_admission(args: argparse.Namespace) -> int:
     from wmtp.engines.build import check_built_as
     from wmtp.measure.admission import run_in_engine
@@ -191,6 +221,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", type=int, default=None, help="GPU index to measure (default: CUDA_VISIBLE_DEVICES)")
     p.add_argument("--identity", help="the identity hash the workflow planned this cell with; refuse another")
     p.set_defaults(func=cmd_cell_run)
+
+    p = with_config(sub.add_parser("cell-study", help="print the study narrowed to one cell, as its rule hands it"))
+    p.add_argument("--cell", required=True)
+    p.add_argument("--rungs", type=int, nargs="*", help="only these of the protocol's rungs (one server lifetime)")
+    p.set_defaults(func=cmd_cell_study)
+
+    p = sub.add_parser("step-table", help="tidy tables → the decode cycle per (arm, k, S, W, context, batch), CSV")
+    p.add_argument("--tidy", type=Path, nargs="+", required=True, help="folders holding requests/rungs.parquet")
+    p.add_argument("--engine-version", required=True, help="the engine release the cells ran, e.g. 0.24.0")
+    p.add_argument("--workload", default="code")
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_step_table)
 
     p = sub.add_parser("write-study", help="validate a resolved study (JSON) and write it, as the rules read it")
     p.add_argument("--study-json", required=True, help="the study as one JSON object")

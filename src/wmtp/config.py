@@ -45,6 +45,10 @@ COPY_MIN_TOKENS = COPY_LEAD_TOKENS + COPY_PASSAGE_TOKENS + COPY_CUE_TOKENS + 64
 # The max_position_embeddings of every generated checkpoint (wmtp.model.tiny's TinyShape and train's TRAINED_SHAPE):
 # kept here because config sits below wmtp.model; tests/test_refusals.py checks that the two agree.
 GENERATED_MAX_POSITIONS = 32768
+# The architecture facts files (config/models/<name>.json) that a `generate: dummy` model names; wmtp.model.dummy
+# writes a weightless checkpoint of the families listed here (a Qwen3-Next config.json vLLM serves).
+ARCHITECTURES_DIR = REPO_ROOT / "config" / "models"
+DUMMY_FAMILIES = ("gdn_moe",)
 # What each engine kind reads to override the checkpoint's config.json, and the variable that lets it serve beyond
 # the checkpoint's own length (without it the engine refuses such a max_model_len at start-up).
 CONFIG_OVERRIDE_FLAGS = {"vllm": "--hf-overrides", "sglang": "--json-model-override-args"}
@@ -95,9 +99,12 @@ class EngineSpec(_Strict):
 class ModelSpec(_Strict):
     name: str
     # Exactly one of: a local checkpoint directory, or a model that a rule generates: "tiny" (random
-    # weights) or "trained" (the committed trained checkpoint, tests/fixtures/tiny-trained).
+    # weights), "trained" (the committed trained checkpoint, tests/fixtures/tiny-trained) or "dummy" (a
+    # weightless checkpoint of a real architecture, `architecture`, that vLLM serves with --load-format dummy).
     path: str | None = None
-    generate: Literal["tiny", "trained"] | None = None
+    generate: Literal["tiny", "trained", "dummy"] | None = None
+    # A dummy model's architecture: the name of a facts file in config/models (e.g. qwen3.6-35b-a3b).
+    architecture: str | None = None
     seed: int = 0
     hf_id: str | None = None
     # The Hub commit (or tag or branch) rule `model` fetches hf_id at; the files' hashes are recorded next to them.
@@ -113,7 +120,7 @@ class ModelSpec(_Strict):
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # Left out while unset, so that a study that does not use them keeps its cells' identities.
         data = handler(self)
-        for key in ("revision", "prompt_format", "chat_template_kwargs"):
+        for key in ("revision", "prompt_format", "chat_template_kwargs", "architecture"):
             if data.get(key) is None:
                 data.pop(key, None)
         return data
@@ -352,6 +359,7 @@ def _check_models(models: list[Mapping[str, Any]], base_dir: Path) -> None:
             )
         if model.get("revision") is not None and model.get("hf_id") is None:
             raise ConfigError(f"config: models[{i}].revision needs models[{i}].hf_id (the checkpoint it pins)")
+        _check_dummy(i, model)
         if has_path:
             path = Path(model["path"])
             resolved = path if path.is_absolute() else base_dir / path
@@ -361,6 +369,48 @@ def _check_models(models: list[Mapping[str, Any]], base_dir: Path) -> None:
                     f"config: models[{i}].path {model['path']!r} does not exist "
                     f"(looked in {resolved}); download the checkpoint there or fix the path"
                 )
+
+
+def architecture_file(name: str) -> Path:
+    """The architecture facts file a dummy model names."""
+    return ARCHITECTURES_DIR / f"{name}.json"
+
+
+def _check_dummy(i: int, model: Mapping[str, Any]) -> None:
+    """A dummy model names an architecture of a family the generator writes, and is served with dummy weights:
+    without --load-format dummy vLLM would look for weight files the checkpoint does not have, after minutes of
+    start-up."""
+    name = model.get("architecture")
+    if model.get("generate") != "dummy":
+        if name is not None:
+            raise ConfigError(
+                f"config: models[{i}].architecture only applies to generate: dummy "
+                f"(got generate={model.get('generate')!r})"
+            )
+        return
+    if name is None:
+        known = ", ".join(sorted(p.stem for p in ARCHITECTURES_DIR.glob("*.json")))
+        raise ConfigError(
+            f"config: models[{i}].architecture must name the dummy model's architecture (one of: {known})"
+        )
+    path = architecture_file(name)
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in ARCHITECTURES_DIR.glob("*.json")))
+        raise ConfigError(f"config: models[{i}].architecture {name!r}: no {path} (known: {known})")
+    try:
+        family = json.loads(path.read_text()).get("family")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
+        raise ConfigError(f"config: models[{i}].architecture {name!r}: {path} cannot be read ({err})") from None
+    if family not in DUMMY_FAMILIES:
+        raise ConfigError(
+            f"config: models[{i}].architecture {name!r}: {path.name} is of family {family!r}; a dummy checkpoint is "
+            f"written for {', '.join(DUMMY_FAMILIES)} only"
+        )
+    if _flag_value(list(model.get("serve_args", [])), "--load-format") != "dummy":
+        raise ConfigError(
+            f"config: models[{i}].serve_args must hold --load-format dummy for generate: dummy (model "
+            f"{model['name']!r}): its checkpoint has no weights"
+        )
 
 
 def _check_engines(engines: list[Mapping[str, Any]]) -> None:
@@ -624,6 +674,9 @@ def _position_limit(config: Mapping[str, Any], override: Mapping[str, Any]) -> i
 
 def _checkpoint_config(i: int, model: Mapping[str, Any], base_dir: Path) -> tuple[dict[str, Any] | None, str]:
     """The model's config.json (None while the checkpoint is not there yet) and where it was read."""
+    if model.get("generate") == "dummy":
+        # wmtp.model.dummy writes the model's max_model_len as its max_position_embeddings.
+        return {"max_position_embeddings": model["max_model_len"]}, "the dummy checkpoint's max_model_len"
     if model.get("generate"):
         return {"max_position_embeddings": GENERATED_MAX_POSITIONS}, "the generated checkpoint's shape"
     path = Path(model["path"])

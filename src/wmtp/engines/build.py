@@ -52,7 +52,9 @@ def check_built_as(manifest: dict, expected_hash: str) -> None:
 def engine_python(spec: EngineSpec, engine_dir: Path) -> str:
     """The interpreter that runs this engine's server."""
     if spec.source == "python":
-        return str(spec.python)
+        # A bare name (python3) is resolved here, on the machine that runs the engine: the probe runs with a PATH
+        # of /usr/bin:/bin only, and the manifest records the interpreter that really served.
+        return shutil.which(str(spec.python)) or str(spec.python)
     if spec.source == "container":
         return "python3"  # inside the image
     return str(engine_dir / "venv" / "bin" / "python")

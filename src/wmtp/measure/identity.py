@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ from wmtp.config import (
     DRAFTING_ARMS,
     WINDOWED_ARMS,
     Cell,
+    ConfigError,
     Study,
+    architecture_file,
 )
 from wmtp.engines.build import spec_hash
 
@@ -79,6 +82,10 @@ def cell_identity(study: Study, cell: Cell, base_dir: Path | str = ".") -> dict[
         # that Snakemake tracks itself, and their spec (generator, seed) is in the entry.
         path = Path(model.path)
         entry["files"] = model_fingerprint(path if path.is_absolute() else Path(base_dir) / path)
+    elif model.generate == "dummy" and model.architecture:
+        # The checkpoint is written from the architecture's facts file: an edit there changes what is measured.
+        facts = architecture_file(model.architecture).read_bytes()
+        entry["architecture_sha256"] = hashlib.sha256(facts).hexdigest()[:16]
     return {
         "cell": cell.model_dump(mode="json", exclude={"study"}),
         "protocol": protocol_identity(study),
@@ -120,3 +127,21 @@ def cell_study(study: Study, cell: Cell) -> dict[str, Any]:
     )
     raw.pop("replica", None)
     return raw
+
+
+def narrow_rungs(raw: dict[str, Any], rungs: Sequence[int]) -> dict[str, Any]:
+    """A study (as :func:`cell_study` gives it) sweeping only these of its rungs, each with its own repeats.
+
+    One server lifetime over every rung of a 1M-token study outlasts a run of limited length (a device lent for
+    minutes at a time); the same cell over one rung fits. Its protocol, so its identity, is its own: its raw files
+    and its tidy tables stay apart from the whole cell's and from the other rungs'.
+    """
+    protocol = raw["protocol"]
+    repeats = protocol["repeats"] if isinstance(protocol["repeats"], list) else [protocol["repeats"]] * len(rungs)
+    by_rung = dict(zip(protocol["rungs"], repeats, strict=False))
+    unknown = [r for r in rungs if r not in by_rung]
+    if unknown or not rungs:
+        known = ", ".join(map(str, protocol["rungs"]))
+        raise ConfigError(f"config: protocol.rungs has no rung {unknown or rungs} to narrow to (its rungs: {known})")
+    chosen = [r for r in protocol["rungs"] if r in rungs]
+    return {**raw, "protocol": {**protocol, "rungs": chosen, "repeats": [by_rung[r] for r in chosen]}}

@@ -1,0 +1,180 @@
+#!/usr/bin/env bash
+# The cells of config/studies/h200-vllm.yaml on an H200, piece by piece, with the pipeline's own commands.
+#
+# Runs ON the H200, from the repository root, after scripts/device/engine_install.sh has installed the carried
+# vLLM under /tmp/wmtp-engine/site (docs/gpu.md). The H200 has no Snakemake, so this calls what the rules call:
+#   python -m wmtp.model.dummy        rule dummy_model (the weightless checkpoint)
+#   python -m wmtp engine-build       rule engine (adopts python3, checks the plugin's hook points)
+#   python -m wmtp cell               rule cell, with the study that `wmtp cell-study` narrows to the cell
+#   python -m wmtp collect            rule collect
+# and then `wmtp step-table`, which writes the step file (one row per arm, k, S, W, context, batch) into $OUT.
+#
+# One piece is one cell over one rung: one server lifetime (a cold start of this shape takes about 280 s, a
+# 1M-token prefill minutes), so that it fits one run. Pieces run longest rung first; a piece whose raw files are
+# there (results/h200-vllm/raw/rung~R/<cell id>/manifest.json) is skipped, so the same command, run again, goes
+# on where the last one stopped. Every run ends by collecting what is there and writing the step file.
+#
+# Usage: OUT=/path bash scripts/device/h200_cells.sh [--arms "none mtp wmtp"] [--k "1 3 5"]
+#                                                    [--rungs "1048576 524288 131072"] [--pieces N] [--budget-s S]
+#   --pieces N     run at most N pieces that are not there yet (default 1); 0 only collects (no engine needed)
+#   --budget-s S   start no piece after S seconds of this run (default 0: no limit)
+#   --plan         list the pieces this run would start, and stop (no engine needed)
+# Writes to $OUT: vllm_qwen3.6-35b-a3b.csv (the step file), raw.tar.gz (every piece's raw files, to carry back in
+# as results/h200-vllm/raw), progress.log, and the failed piece's log and failure.json when one fails.
+set -uo pipefail
+study=config/studies/h200-vllm.yaml
+site=/tmp/wmtp-engine/site
+results=results/h200-vllm
+raw_root=$results/raw
+model=qwen3.6-35b-a3b
+model_dir=results/models/$model
+engine_manifest=results/engines/vllm/manifest.json
+arms="none mtp wmtp" ks="1 3 5" rungs="" pieces=1 budget=0 plan=0
+py=python3
+
+die() { echo "h200_cells: ERROR: $*" >&2; exit 1; }
+say() { echo "h200_cells: $(date -u +%H:%M:%S) $*" | tee -a "${OUT:-/tmp}/progress.log"; }
+
+while [ $# -gt 0 ]; do
+  case $1 in
+    --arms) arms=$2; shift ;;
+    --k) ks=$2; shift ;;
+    --rungs) rungs=$2; shift ;;
+    --pieces) pieces=$2; shift ;;
+    --budget-s) budget=$2; shift ;;
+    --plan) plan=1 ;;
+    -h | --help) sed -n '2,23p' "$0"; exit 0 ;;
+    *) die "unknown argument $1 (see --help)" ;;
+  esac
+  shift
+done
+[ -n "${OUT:-}" ] || die "set OUT to the folder that comes back"
+mkdir -p "$OUT"
+started=$SECONDS
+
+export PYTHONPATH="$PWD/src:$site" PYTHONUNBUFFERED=1
+$py -m wmtp check-config --config "$study" >"$OUT/check-config.txt" 2>&1 ||
+  die "the study does not validate: $(cat "$OUT/check-config.txt")"
+
+# The study's cells, filtered by arm and k; its rungs, longest first.
+cells=()
+while read -r cell; do
+  arm=$(sed -n 's|.*/arm~\([^/]*\)/.*|\1|p' <<<"$cell")
+  k=$(sed -n 's|.*/k~\([0-9]*\)/.*|\1|p' <<<"$cell")
+  [[ " $arms " == *" $arm "* ]] || continue
+  [ -z "$k" ] || [[ " $ks " == *" $k "* ]] || continue
+  cells+=("$cell")
+done < <(sed -n 's/^  \(model~[^ ]*\)$/\1/p' "$OUT/check-config.txt")
+[ -n "$rungs" ] || rungs=$($py -c "from wmtp.config import load_study; print(*load_study('$study').protocol.rungs)")
+rungs=$(tr ' ' '\n' <<<"$rungs" | sed '/^$/d' | sort -rn | tr '\n' ' ')
+[ ${#cells[@]} -gt 0 ] || die "no cell of the study has arm in '$arms' and k in '$ks'"
+say "${#cells[@]} cell(s) × rungs $rungs; at most $pieces new piece(s) this run"
+
+if [ "$plan" = 1 ]; then
+  for rung in $rungs; do
+    for cell in "${cells[@]}"; do
+      [ -f "$raw_root/rung~$rung/$cell/manifest.json" ] && state=there || state=to-run
+      echo "h200_cells: plan: $state $rung $cell"
+    done
+  done
+  exit 0
+fi
+
+if [ "$pieces" -gt 0 ]; then
+[ -d "$site" ] || die "no engine at $site: run scripts/device/engine_install.sh first (its last part with --install)"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Triton's compiled kernels beside vLLM's compile cache (results/engines/vllm/cache), which the cells keep: a
+# second server of the shape starts without the first one's minutes of JIT while the machine stays up.
+export TRITON_CACHE_DIR=$PWD/results/engines/vllm/cache/triton
+# The pipeline's own modules need these beside vLLM: name what is missing before any server starts.
+$py -c 'import pandas, pyarrow, pydantic, jsonschema, yaml, httpx, tokenizers, jinja2' ||
+  die "the image lacks a module the cells need (above); carry it with the engine"
+
+# The server imports the plugin from the engine's site (the study's env sets PYTHONPATH to it alone).
+rev=$(find src pyproject.toml -type f -not -path '*/__pycache__/*' | sort | xargs sha256sum | sha256sum | cut -c1-16)
+if [ "$(cat "$site/.wmtp-installed" 2>/dev/null)" != "$rev" ]; then
+  say "installing this checkout's wmtp beside the engine"
+  $py -m pip install -q --no-deps --no-index --no-build-isolation --upgrade --target "$site" . ||
+    die "could not install wmtp beside the engine"
+  echo "$rev" >"$site/.wmtp-installed"
+fi
+
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader | tee -a "$OUT/progress.log"
+
+if [ ! -f "$model_dir/config.json" ] || [ ! -f "$model_dir/tokenizer.json" ]; then
+  max_len=$($py -c "from wmtp.config import load_study; print(load_study('$study').model('$model').max_model_len)")
+  say "writing the dummy checkpoint $model_dir (max_position_embeddings $max_len)"
+  $py -m wmtp.model.dummy --architecture "config/models/$model.json" --out "$model_dir" \
+    --max-position-embeddings "$max_len" || die "the dummy checkpoint was not written"
+fi
+
+say "engine: adopting python3 with vLLM from $site and checking the plugin's hook points"
+$py -m wmtp --log results/engines/vllm/build.snakemake.log engine-build --config "$study" --engine vllm \
+  --out "$engine_manifest" --windowed >"$OUT/engine-build.log" 2>&1 || { tail -n 30 "$OUT/engine-build.log"; die "engine build failed"; }
+say "engine ready: vLLM $($py -c "import json; print(json.load(open('$engine_manifest'))['versions']['vllm'])")"
+fi
+
+ran=0 failed=0
+for rung in $rungs; do
+  for cell in "${cells[@]}"; do
+    out_dir=$raw_root/rung~$rung/$cell
+    if [ -f "$out_dir/manifest.json" ]; then
+      continue
+    fi
+    if [ "$ran" -ge "$pieces" ]; then
+      say "not yet: $cell at $rung (and any after it); run again"
+      break 2
+    fi
+    if [ "$budget" -gt 0 ] && [ $((SECONDS - started)) -ge "$budget" ]; then
+      say "budget of ${budget}s spent; not starting $cell at $rung"
+      break 2
+    fi
+    ran=$((ran + 1))
+    log=$results/logs/cells/rung~$rung/$cell.log
+    mkdir -p "$(dirname "$log")"
+    study_json=$($py -m wmtp cell-study --config "$study" --cell "$cell" --rungs "$rung") || die "no study for $cell"
+    say "piece $ran: $cell at $rung tokens"
+    piece_started=$SECONDS
+    if $py -m wmtp --log "$log" cell --study-json "$study_json" --cell "$cell" --engine-manifest "$engine_manifest" \
+      --model-dir "$model_dir" --out "$out_dir" >"$log.out" 2>&1; then
+      say "done in $((SECONDS - piece_started)) s: $cell at $rung"
+    else
+      failed=1
+      say "FAILED after $((SECONDS - piece_started)) s: $cell at $rung (log: $log)"
+      mkdir -p "$OUT/failed"
+      cp "$log" "$log.out" "$OUT/failed/" 2>/dev/null
+      cp "$out_dir/failure.json" "$OUT/failed/" 2>/dev/null
+      find "$out_dir" -name 'server*.log' -exec tail -n 200 {} + >"$OUT/failed/server-tail.log" 2>/dev/null
+      tail -n 20 "$log.out"
+      break 2
+    fi
+  done
+done
+
+# Collect each rung's pieces on their own (their protocols differ in the rung), then one step file of them all.
+tidy_dirs=()
+for rung in $rungs; do
+  mapfile -t manifests < <(find "$raw_root/rung~$rung" -path '*/c~*/manifest.json' -not -path '*/.*' 2>/dev/null | sort)
+  [ ${#manifests[@]} -gt 0 ] || continue
+  tidy=$results/tidy/rung~$rung
+  if $py -m wmtp --log "$results/logs/collect-rung~$rung.log" collect --out "$tidy" "${manifests[@]}" >/dev/null 2>&1; then
+    tidy_dirs+=("$tidy")
+    say "collected ${#manifests[@]} piece(s) at $rung"
+  else
+    say "collect failed at $rung (log: $results/logs/collect-rung~$rung.log)"
+    cp "$results/logs/collect-rung~$rung.log" "$OUT/" 2>/dev/null
+    failed=1
+  fi
+done
+if [ ${#tidy_dirs[@]} -gt 0 ]; then
+  # The engine release as each piece recorded it (its manifest's engine.versions): one per step file.
+  version=$(find "$raw_root" -path '*/c~*/manifest.json' -not -path '*/.*' -exec $py -c '
+import json, sys
+print("\n".join(sorted({json.load(open(f))["engine"]["versions"].get("vllm", "?") for f in sys.argv[1:]})))' {} +)
+  [ "$(wc -l <<<"$version")" -eq 1 ] || die "the pieces ran different vLLM releases: $version"
+  $py -m wmtp step-table --tidy "${tidy_dirs[@]}" --engine-version "$version" --out "$OUT/vllm_$model.csv" &&
+    column -s, -t <"$OUT/vllm_$model.csv" | cut -c1-160
+fi
+[ -d "$raw_root" ] && tar czf "$OUT/raw.tar.gz" "$raw_root"
+say "run took $((SECONDS - started)) s"
+exit $failed

@@ -132,8 +132,8 @@ def cell_study(study: Study, cell: Cell) -> dict[str, Any]:
 def narrow_rungs(raw: dict[str, Any], rungs: Sequence[int]) -> dict[str, Any]:
     """A study (as :func:`cell_study` gives it) sweeping only these of its rungs, each with its own repeats.
 
-    One server lifetime over every rung of a 1M-token study outlasts a run of limited length (a device lent for
-    minutes at a time); the same cell over one rung fits. Its protocol, so its identity, is its own: its raw files
+    One server lifetime over every rung of a 1M-token study outlasts a run of limited length (a GPU machine held
+    for minutes at a time); the same cell over one rung fits. Its protocol, so its identity, is its own: its raw files
     and its tidy tables stay apart from the whole cell's and from the other rungs'.
     """
     protocol = raw["protocol"]

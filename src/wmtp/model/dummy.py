@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from wmtp.layout import TRAINED_CHECKPOINT
-from wmtp.model.tiny import CHAT_TEMPLATE, EOS_TOKEN, TinyShape
+from wmtp.model.tiny import TinyShape, write_tokenizer_config
 
 log = logging.getLogger(__name__)
 
@@ -152,21 +152,7 @@ def write_dummy(architecture: Path, out_dir: Path, max_position_embeddings: int)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = padded_tokenizer(json.loads(BASE_TOKENIZER.read_text()), shape.vocab_size)
     (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
-    (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": EOS_TOKEN,
-                "bos_token": None,
-                "pad_token": EOS_TOKEN,
-                "add_bos_token": False,
-                "model_max_length": max_position_embeddings,
-                "clean_up_tokenization_spaces": False,
-                "chat_template": CHAT_TEMPLATE,
-            },
-            indent=2,
-        )
-    )
+    write_tokenizer_config(out_dir, max_position_embeddings)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     manifest = {"architecture": arch.get("name"), "facts_file": architecture.name, "weights": "none (dummy)"}
     (out_dir / "wmtp-model.json").write_text(json.dumps(manifest, indent=2))

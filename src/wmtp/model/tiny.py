@@ -91,6 +91,11 @@ def train_tokenizer(
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     tokenizer.save(str(out_dir / "tokenizer.json"))
+    write_tokenizer_config(out_dir, 1_000_000)
+
+
+def write_tokenizer_config(out_dir: Path, model_max_length: int) -> None:
+    """The tokenizer_config.json of the generated checkpoints: EOS as pad, no BOS, the tiny chat template."""
     (out_dir / "tokenizer_config.json").write_text(
         json.dumps(
             {
@@ -99,7 +104,7 @@ def train_tokenizer(
                 "bos_token": None,
                 "pad_token": EOS_TOKEN,
                 "add_bos_token": False,
-                "model_max_length": 1_000_000,
+                "model_max_length": model_max_length,
                 "clean_up_tokenization_spaces": False,
                 "chat_template": CHAT_TEMPLATE,
             },

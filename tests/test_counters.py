@@ -64,3 +64,10 @@ def test_kv_capacity_from_the_engines_log_line():
     )
     assert kv_capacity(log) == {"kv_cache_tokens": 209715, "max_model_len": 4096, "max_concurrency": 51.2}
     assert kv_capacity("no such line") == {}
+    # vLLM 0.24 (CUDA) logs the two halves on lines of their own.
+    split = (
+        "INFO 12-02 14:34:18 [kv_cache_utils.py:2146] GPU KV cache size: 2,851,774 tokens\n"
+        "INFO 12-02 14:34:18 [kv_cache_utils.py:2147] Maximum concurrency for 1,049,600 tokens per request: 2.72x\n"
+    )
+    assert kv_capacity(split) == {"kv_cache_tokens": 2851774, "max_model_len": 1049600, "max_concurrency": 2.72}
+    assert kv_capacity(split.splitlines()[0]) == {}

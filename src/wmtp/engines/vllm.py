@@ -92,22 +92,22 @@ def server_env(engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path) -> 
 
 
 # vLLM logs its KV cache once at start-up: "<device> KV cache size: 209,715 tokens, Maximum concurrency for
-# 4,096 tokens per request: 51.20x" (vllm/v1/core/kv_cache_utils.py, update_kv_cache_capacity).
-_KV_CAPACITY = re.compile(
-    r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x"
-)
+# 4,096 tokens per request: 51.20x" (vllm/v1/core/kv_cache_utils.py, update_kv_cache_capacity); vLLM 0.24 logs the
+# two halves on lines of their own.
+_KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
+_KV_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 
 
 def kv_capacity(server_log: str) -> dict[str, float]:
     """The engine's own KV capacity (tokens, and requests of max_model_len it admits at once), from its log."""
-    found = _KV_CAPACITY.findall(server_log)
-    if not found:
+    tokens, concurrency = _KV_TOKENS.findall(server_log), _KV_CONCURRENCY.findall(server_log)
+    if not tokens or not concurrency:
         return {}
-    tokens, max_len, concurrency = found[-1]
+    max_len, admitted = concurrency[-1]
     return {
-        "kv_cache_tokens": int(tokens.replace(",", "")),
+        "kv_cache_tokens": int(tokens[-1].replace(",", "")),
         "max_model_len": int(max_len.replace(",", "")),
-        "max_concurrency": float(concurrency),
+        "max_concurrency": float(admitted),
     }
 
 

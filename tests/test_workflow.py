@@ -29,14 +29,18 @@ def test_lint_is_clean():
     assert "Lints for" not in out.stdout + out.stderr, out.stdout + out.stderr
 
 
-def test_dry_run_embedded_study(tmp_path):
-    out = run(
-        "-n",
+def scratch_dirs(tmp_path: Path) -> list[str]:
+    """Snakemake arguments that put a dry run's results, models and engines under ``tmp_path``."""
+    return [
         "--config",
         f"results_dir={tmp_path}/results",
         f"models_dir={tmp_path}/models",
         f"engines_dir={tmp_path}/engines",
-    )
+    ]
+
+
+def test_dry_run_embedded_study(tmp_path):
+    out = run("-n", *scratch_dirs(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     jobs = job_counts(out.stdout)
     assert jobs["cell"] == 5 and jobs["engine"] == 1 and jobs["trained_model"] == 1
@@ -71,15 +75,7 @@ def test_spark_profile_dry_run_as_typed(spark_model_placeholder):
 
 def test_h200_study_dry_run(tmp_path):
     """The H200 study plans its weightless model, its engine, every cell, collect and the report."""
-    out = run(
-        "-n",
-        "--configfile",
-        "config/studies/h200-vllm.yaml",
-        "--config",
-        f"results_dir={tmp_path}/results",
-        f"models_dir={tmp_path}/models",
-        f"engines_dir={tmp_path}/engines",
-    )
+    out = run("-n", "--configfile", "config/studies/h200-vllm.yaml", *scratch_dirs(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     jobs = job_counts(out.stdout)
     assert jobs["dummy_model"] == 1 and jobs["engine"] == 1 and jobs["cell"] == 7

@@ -10,8 +10,15 @@ after its sweep (``check``) and fails when the longest context outgrew S + W but
 The file is written when the proposer starts, at the first windowed forward, then every 32 draft forwards
 or once a second, whichever comes first, and at exit (which a killed worker skips); the counts are
 therefore lower bounds, and the check compares only numbers from one and the same write. The number of
-dropped blocks is summed on the device and read back only when the file is written, so the draft's
-forward waits for the host at most that often.
+dropped blocks is summed on the device and never waited for while the server runs: on a GPU each write
+starts a copy of the sum into pinned host memory and reports the last copy that has landed, with the
+longest decode context as of when it was started (``skipped_as_of_decode_context``, which the check
+compares it with); on the CPU the sum is read directly. A blocking read there would drain the device's
+queue and cost a cycle's host lead each time.
+
+Each configured proposer also times its own hook on the host (``hook_host_us_per_build``): the windowed
+copy is launched from the host before every draft forward, so that is what the window adds to a cycle
+wherever the host, not the device, sets the pace.
 
 This module imports neither torch nor vLLM: the pipeline's side (``summarize``, ``check``) runs anywhere.
 """
@@ -69,6 +76,10 @@ class DraftStats:
         self.longest_decode_context = 0  # over forwards of one query token a request: p0 = seq_len - 1
         self._skipped = None  # a device tensor: the sum of dropped blocks, read back only when written
         self._skipped_host = 0
+        self._skipped_as_of = 0  # the longest decode context when the sum in _skipped_host was taken
+        self._pending: tuple[Any, Any, int] | None = None  # (pinned host copy, its CUDA event, decode context)
+        self._pinned = None
+        self.host_ns = 0
         self._written_at = 0.0
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,9 +108,33 @@ class DraftStats:
         if self.path is not None and (first or due):
             self.write()
 
-    def snapshot(self) -> dict[str, Any]:
-        if self._skipped is not None:
-            self._skipped_host = int(self._skipped)  # the only read-back, once per write
+    def add_host_ns(self, ns: int) -> None:
+        """Host time of one hooked metadata build (the window's copy and this record)."""
+        self.host_ns += ns
+
+    def _read_skipped(self, wait: bool) -> None:
+        """The dropped-block sum on the host; on a GPU without waiting for it unless ``wait``."""
+        total = self._skipped
+        if total is None:
+            return
+        if wait or not getattr(total, "is_cuda", False):
+            self._skipped_host, self._skipped_as_of, self._pending = int(total), self.longest_decode_context, None
+            return
+        if self._pending is not None and self._pending[1].query():
+            self._skipped_host, self._skipped_as_of = int(self._pending[0]), self._pending[2]
+            self._pending = None
+        if self._pending is None:
+            import torch  # only in a worker that sums on a GPU, where torch is loaded
+
+            if self._pinned is None:
+                self._pinned = torch.zeros((), dtype=total.dtype, pin_memory=True)
+            self._pinned.copy_(total, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (self._pinned, event, self.longest_decode_context)
+
+    def snapshot(self, wait: bool = False) -> dict[str, Any]:
+        self._read_skipped(wait)
         out: dict[str, Any] = {
             "pid": os.getpid(),
             "vllm_version": self.vllm_version,
@@ -108,8 +143,10 @@ class DraftStats:
             "builds": self.builds,
             "windowed_forwards": self.windowed_forwards,
             "blocks_skipped": self._skipped_host,
+            "skipped_as_of_decode_context": self._skipped_as_of,
             "longest_context": self.longest_context,
             "longest_decode_context": self.longest_decode_context,
+            "hook_host_us_per_build": round(self.host_ns / 1e3 / self.builds, 2) if self.builds else None,
         }
         if self.block_size is not None:
             out.update(effective(self.sink, self.window, self.block_size))
@@ -117,21 +154,21 @@ class DraftStats:
         out["message"] = describe(out)
         return out
 
-    def write(self) -> None:
+    def write(self, wait: bool = False) -> None:
         if self.path is None:
             return
         self._written_at = time.monotonic()
         try:
             tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.snapshot()))
+            tmp.write_text(json.dumps(self.snapshot(wait)))
             os.replace(tmp, self.path)
-        except OSError:
+        except (OSError, RuntimeError):
             pass  # the counters are a proof for the cell, never a reason to stop drafting
 
 
 def _write_all() -> None:
     for stats in _live:
-        stats.write()
+        stats.write(wait=True)  # at exit nothing waits on the device any more
 
 
 def describe(stats: Mapping[str, Any]) -> str:
@@ -172,6 +209,12 @@ def summarize(found: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "longest_context": max((s["longest_context"] for s in found), default=0),
         "longest_decode_context": max((s.get("longest_decode_context", 0) for s in found), default=0),
     }
+    timed = [s for s in found if s.get("hook_host_us_per_build") is not None and s["builds"]]
+    total["hook_host_us_per_build"] = (
+        round(sum(s["hook_host_us_per_build"] * s["builds"] for s in timed) / sum(s["builds"] for s in timed), 2)
+        if timed
+        else None
+    )
     sized = [s for s in found if "block_size" in s]
     if sized:
         for key in ("block_size", "sink_blocks", "sink_tokens", "window_tokens_min", "window_tokens_max"):
@@ -207,10 +250,12 @@ def check(
         )
     for one in found:
         block = one.get("block_size")
-        must_drop = block and one["longest_decode_context"] - window - (k + 1) >= (-(-sink // block) + 1) * block
+        # The decode context as of the sum of dropped blocks reported beside it (older files: the longest one).
+        decoded = one.get("skipped_as_of_decode_context", one["longest_decode_context"])
+        must_drop = block and decoded - window - (k + 1) >= (-(-sink // block) + 1) * block
         if must_drop and one["blocks_skipped"] == 0:
             raise WindowNotApplied(
-                f"{NEVER_RAN}: decode steps at up to {one['longest_decode_context']} tokens must drop KV blocks "
+                f"{NEVER_RAN}: decode steps at up to {decoded} tokens must drop KV blocks "
                 f"between the sink and the window, but none was dropped; {one['message']}"
             )
     return total

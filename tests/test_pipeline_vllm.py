@@ -155,6 +155,8 @@ def test_raw_files_and_manifest(pipeline):
             reads = manifest["wmtp_plugin"]
             # the plugin in the cell's server windowed its drafts and skipped blocks at the longer rungs
             assert reads["windowed_forwards"] > 0 and reads["blocks_skipped"] > 0
+            # and timed its own part of each draft build on the host
+            assert reads["hook_host_us_per_build"] > 0
         requests = pd.read_parquet(cell_dir / "requests.parquet")
         measured = requests[~requests["warmup"]]
         assert sorted(measured["rung"].unique()) == RUNGS
@@ -166,6 +168,19 @@ def test_raw_files_and_manifest(pipeline):
         assert (measured["prompt_tokens"] == measured["rung"]).all()
         assert (measured["completion_tokens"] == 24).all()
         assert (measured["ttft_s"] > 0).all() and (measured["e2e_s"] > measured["ttft_s"]).all()
+        # the gaps between streamed chunks: positive, at most one per token after the first, together within the
+        # request's decode window; vLLM's usage on every chunk says how many tokens each added, all of them but the
+        # first chunk's
+        for gaps, added, tokens, decode_s in zip(
+            measured["chunk_gaps_ms"],
+            measured["chunk_new_tokens"],
+            measured["completion_tokens"],
+            measured["decode_s"],
+            strict=True,
+        ):
+            assert 1 <= len(gaps) <= tokens - 1 and min(gaps) > 0
+            assert sum(gaps) <= 1e3 * decode_s + 1.0
+            assert len(added) == len(gaps) and min(added) >= 1 and tokens - 4 <= sum(added) <= tokens - 1
         assert requests["warmup"].sum() == 1
         # copy-task rows say how much of the passage the output reproduced; code rows have no passage
         copied = measured[measured["workload"] == "copy"]["copied_tokens"]

@@ -108,7 +108,10 @@ def test_a_cell_study_narrowed_to_one_rung_keeps_that_rungs_repeats(repo, capsys
     config = str(repo / "config" / "studies" / "h200-vllm.yaml")
     assert main(["cell-study", "--config", config, "--cell", cell, "--rungs", "1048576"]) == 0
     raw = json.loads(capsys.readouterr().out)
-    assert raw["protocol"]["rungs"] == [1048576] and raw["protocol"]["repeats"] == [2]
+    assert raw["protocol"]["rungs"] == [1048576] and raw["protocol"]["repeats"] == [1]
+    assert main(["cell-study", "--config", config, "--cell", cell, "--rungs", "1048576", "262144"]) == 0
+    raw = json.loads(capsys.readouterr().out)
+    assert raw["protocol"]["rungs"] == [262144, 1048576] and raw["protocol"]["repeats"] == [2, 1]
     assert raw["arms"] == [{"name": "wmtp", "k": [3], "sink": [16], "window": [4096]}]
     assert main(["cell-study", "--config", config, "--cell", cell, "--rungs", "4096"]) == 2
 
@@ -129,3 +132,53 @@ def test_real_raw_cells_give_a_row_per_arm_and_rung(tmp_path):
     assert (drafting["tokens_per_cycle"] > 1).all()  # a trained head accepts: cycles are fewer than tokens
     assert set(table.loc[table["arm"] == "wmtp", "W"]) == {256, 1024}
     assert table.loc[table["arm"] == "none", "S"].isna().all()
+
+
+def test_cycles_come_from_the_chunks_gaps_over_the_cycles_their_tokens_took():
+    """One long request gives a median and a spread of its cycles, where its decode window gives one number."""
+    requests = pd.DataFrame(
+        [
+            # 1M: four chunks of one token each, at one token a cycle
+            _request(
+                "mtp3",
+                "mtp",
+                3,
+                1048576,
+                1.3,
+                completion_tokens=5,
+                chunk_gaps_ms=[300.0, 320.0, 340.0, 340.0],
+                chunk_new_tokens=[1, 1, 1, 1],
+            ),
+            # 128K: the server merged two steps into the second chunk, at two tokens a cycle (a gap of 2 cycles
+            # of 10 ms), and a request that recorded no token counts (its gaps count only as chunks)
+            _request(
+                "mtp3",
+                "mtp",
+                3,
+                131072,
+                0.04,
+                completion_tokens=7,
+                chunk_gaps_ms=[10.0, 20.0, 12.0],
+                chunk_new_tokens=[2, 4, 2],
+            ),
+            _request("mtp3", "mtp", 3, 131072, 0.04, completion_tokens=3, chunk_gaps_ms=[12.0, 8.0]),
+            _request("wmtp3", "wmtp", 3, 131072, 0.04, completion_tokens=5, cell_hook_host_us_per_build=87.5),
+        ]
+    )
+    rungs = pd.DataFrame(
+        [
+            {"cell_id": c, "workload": "code", "rung": r, "tok_per_verify": t}
+            for c, r, t in [("mtp3", 1048576, 1.0), ("mtp3", 131072, 2.0), ("wmtp3", 131072, 1.0)]
+        ]
+    )
+    table = step_table(requests, rungs, "0.24.0").set_index(["arm", "context"])
+    long = table.loc[("mtp", 1048576)]
+    assert (long["n"], long["cycles"], long["cycle_ms"], long["tokens_per_chunk"]) == (1, 4, 330.0, 1.0)
+    assert long["cycle_ms_p10"] == pytest.approx(306.0) and long["cycle_ms_p90"] == pytest.approx(340.0)
+    short = table.loc[("mtp", 131072)]
+    assert (short["cycles"], short["cycle_ms"]) == (3, 10.0)  # 10/1, 20/2 and 12/1 ms a cycle
+    assert short["chunk_ms"] == 12.0 and short["tokens_per_chunk"] == pytest.approx((6 + 2) / 5)
+    # Requests that recorded no chunks (older raw files) leave the cycle columns empty, not zero.
+    windowed = table.loc[("wmtp", 131072)]
+    assert windowed["cycles"] == 0 and math.isnan(windowed["cycle_ms"]) and math.isnan(windowed["chunk_ms"])
+    assert windowed["hook_host_us_per_build"] == 87.5 and math.isnan(long["hook_host_us_per_build"])

@@ -5,6 +5,12 @@ what a real engine's cells say one verify cycle costs, to set next to the replic
 cycle is one target forward and k draft forwards; its time is a request's decode window (first token to last)
 divided by its cycles, the tokens it decoded over the rung's tokens per cycle (1 without a draft; about 1 with
 random weights, which accept almost nothing).
+
+Where the requests recorded when each streamed chunk arrived and how many tokens it added, the cycle is also
+measured chunk by chunk: a gap between two chunks over the cycles its tokens took (its tokens over the rung's
+tokens per cycle), so that a rung of one long prefill still gives a median and a spread over its many cycles. The
+gaps alone are not cycles: a chunk may hold several steps' tokens when the server's output loop falls behind the
+engine, so ``tokens_per_chunk`` says how far they were from one step each.
 """
 
 from __future__ import annotations
@@ -25,11 +31,18 @@ COLUMNS = [
     "step_ms_min",
     "step_ms_max",
     "n",
+    "cycle_ms",
+    "cycle_ms_p10",
+    "cycle_ms_p90",
+    "cycles",
+    "chunk_ms",
+    "tokens_per_chunk",
     "tokens_per_cycle",
     "ttft_s",
     "ttft_s_min",
     "ttft_s_max",
     "windowed_forwards",
+    "hook_host_us_per_build",
     "read_sink_tokens",
     "kv_cache_tokens",
 ]
@@ -41,6 +54,22 @@ def request_step_ms(decode_s: float, completion_tokens: int, tokens_per_cycle: f
     if completion_tokens <= 1 or not decode_s > 0 or not tokens_per_cycle > 0:
         return math.nan
     return 1e3 * decode_s * tokens_per_cycle / (completion_tokens - 1)
+
+
+def _lists(group: pd.DataFrame, column: str) -> list:
+    if column not in group.columns:
+        return [None] * len(group)
+    return [
+        None if value is None or (isinstance(value, float) and math.isnan(value)) else list(value)
+        for value in group[column]
+    ]
+
+
+def chunk_cycles(gaps: list[float], new_tokens: list[int], tokens_per_cycle: float) -> list[float]:
+    """One request's cycle times (ms), chunk by chunk: each gap over the cycles its chunk's tokens took."""
+    if not tokens_per_cycle > 0 or len(gaps) != len(new_tokens):
+        return []
+    return [gap * tokens_per_cycle / tokens for gap, tokens in zip(gaps, new_tokens, strict=True) if tokens > 0]
 
 
 def _optional(group: pd.DataFrame, column: str) -> float:
@@ -70,6 +99,18 @@ def step_table(
                 for d, c in zip(group["decode_s"], group["completion_tokens"], strict=True)
             ]
         ).dropna()
+        gap_lists, token_lists = _lists(group, "chunk_gaps_ms"), _lists(group, "chunk_new_tokens")
+        gaps = pd.Series([g for one in gap_lists if one for g in one], dtype=float)
+        cycles = pd.Series(
+            [
+                c
+                for one, tokens in zip(gap_lists, token_lists, strict=True)
+                if one and tokens
+                for c in chunk_cycles(one, tokens, tpc)
+            ],
+            dtype=float,
+        )
+        chunked = [(int(c) - 1, len(one)) for one, c in zip(gap_lists, group["completion_tokens"], strict=True) if one]
         ttft = pd.to_numeric(group["ttft_s"], errors="coerce").dropna()
         windowed = first["arm"] in ("wmtp", "wmtp-ring")
         rows.append(
@@ -85,12 +126,21 @@ def step_table(
                 "step_ms_min": float(steps.min()) if len(steps) else math.nan,
                 "step_ms_max": float(steps.max()) if len(steps) else math.nan,
                 "n": len(steps),
+                "cycle_ms": float(cycles.median()) if len(cycles) else math.nan,
+                "cycle_ms_p10": float(cycles.quantile(0.1)) if len(cycles) else math.nan,
+                "cycle_ms_p90": float(cycles.quantile(0.9)) if len(cycles) else math.nan,
+                "cycles": len(cycles),
+                "chunk_ms": float(gaps.median()) if len(gaps) else math.nan,
+                # Tokens after the first over the chunks after the first: 1 when every chunk was one step's.
+                "tokens_per_chunk": sum(t for t, _ in chunked) / sum(n for _, n in chunked) if chunked else math.nan,
                 "tokens_per_cycle": tpc,
                 "ttft_s": float(ttft.median()) if len(ttft) else math.nan,
                 "ttft_s_min": float(ttft.min()) if len(ttft) else math.nan,
                 "ttft_s_max": float(ttft.max()) if len(ttft) else math.nan,
                 # The cell's server in total (the plugin's counter): > 0 shows the window was really applied.
                 "windowed_forwards": _optional(group, "cell_windowed_forwards"),
+                # The plugin's own host time per draft metadata build, in microseconds.
+                "hook_host_us_per_build": _optional(group, "cell_hook_host_us_per_build"),
                 # What the draft really read as its sink: the engine rounds S up to whole KV blocks.
                 "read_sink_tokens": _optional(group, "read_sink_tokens"),
                 "kv_cache_tokens": _optional(group, "kv_cache_tokens"),

@@ -45,6 +45,7 @@ EFFECTIVE_WINDOW_COLUMNS = {
     "read_window_min": "window_tokens_min",
     "read_window_max": "window_tokens_max",
     "cell_windowed_forwards": "windowed_forwards",  # the cell's server in total, on each of its rows
+    "cell_hook_host_us_per_build": "hook_host_us_per_build",  # the plugin's own host time per draft build
 }
 
 
@@ -67,7 +68,8 @@ def predicted_ring_reclaim(manifest: dict) -> float:
 def effective_window(manifest: dict) -> dict[str, float]:
     """The effective-window columns of a cell (NaN for arms without a window, or before the plugin reported)."""
     reported = manifest.get("wmtp_plugin") or {}
-    return {column: reported.get(key, math.nan) for column, key in EFFECTIVE_WINDOW_COLUMNS.items()}
+    values = {column: reported.get(key) for column, key in EFFECTIVE_WINDOW_COLUMNS.items()}
+    return {column: math.nan if value is None else value for column, value in values.items()}
 
 
 def request_table(cell_dir: Path) -> pd.DataFrame:

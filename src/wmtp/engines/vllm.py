@@ -7,6 +7,7 @@ import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from wmtp.engines.base import CellRefused, EngineAdapter, ServeRequest
@@ -211,11 +212,16 @@ VERSION_PROBE = (
 )
 
 
+# Usage on every streamed chunk: how many tokens each chunk added, so the gaps between chunks give cycles.
+REQUEST_EXTRA = MappingProxyType({"stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+
+
 class VLLMAdapter(EngineAdapter):
     kind = "vllm"
     health_path = HEALTH_PATH
     version_probe = VERSION_PROBE
     cache_env = ("VLLM_CACHE_ROOT",)
+    request_extra = REQUEST_EXTRA
 
     def serve_argv(self, request: ServeRequest) -> list[str]:
         return serve_argv(request)

@@ -119,6 +119,8 @@ def _request_row(
         "decode_window_s": decode.duration_s if decode else None,
         "token_ids": result.token_ids or None,
         "top2_gap": [_top2_gap(top) for top in result.top_logprobs] or None,
+        "chunk_gaps_ms": result.chunk_gaps_ms or None,
+        "chunk_new_tokens": result.chunk_new_tokens or None,
     }
 
 

@@ -9,18 +9,25 @@
 #   python -m wmtp collect            rule collect
 # and then `wmtp step-table`, which writes the step file (one row per arm, k, S, W, context, batch) into $OUT.
 #
-# One piece is one cell over one rung: one server lifetime (a cold start of this shape takes about 280 s, a
-# 1M-token prefill minutes), so that it fits one run. Pieces run longest rung first; a piece whose raw files are
-# there (results/h200-vllm/raw/rung~R/<cell id>/manifest.json) is skipped, so the same command, run again, goes
-# on where the last one stopped. Every run ends by collecting what is there and writing the step file.
+# One piece is one server lifetime: one cell over one rung (a cold start of this shape takes about 280 s, a
+# 1M-token prefill minutes), or with --together one cell over every selected rung it lacks, as the pipeline's own
+# cells sweep them. Pieces run longest rung first; a rung of a cell whose raw files are there
+# (results/h200-vllm/raw/rung~R/<cell id>/manifest.json, or rungs~R1-R2/<cell id>/ for a piece over several) is
+# not run again, so the same command, run again, goes on where the last one stopped. Every run ends by collecting
+# what is there and writing the step file.
 #
 # Usage: OUT=/path bash scripts/device/h200_cells.sh [--arms "none mtp wmtp"] [--k "1 3 5"]
 #                                                    [--rungs "1048576 524288 131072"] [--pieces N] [--budget-s S]
+#                                                    [--together]
 #   --pieces N     run at most N pieces that are not there yet (default 1); 0 only collects (no engine needed)
 #   --budget-s S   start no piece after S seconds of this run (default 0: no limit)
+#   --together     a piece is one cell over all its missing rungs of --rungs, in one server
 #   --plan         list the pieces this run would start, and stop (no engine needed)
+# Compile caches: .gpu-inputs/compile-cache.tar.gz, when carried in, is unpacked into results/engines/vllm/cache
+# before the first server starts (Triton's kernels and vLLM's torch.compile artefacts: minutes of a cold start).
 # Writes to $OUT: vllm_qwen3.6-35b-a3b.csv (the step file), raw.tar.gz (every piece's raw files, to carry back in
-# as results/h200-vllm/raw), progress.log, and the failed piece's log and failure.json when one fails.
+# as results/h200-vllm/raw), compile-cache.tar.gz (that cache, when it fits what comes back), progress.log, and
+# the failed piece's log and failure.json when one fails.
 set -uo pipefail
 study=config/studies/h200-vllm.yaml
 site=/tmp/wmtp-engine/site
@@ -29,7 +36,10 @@ raw_root=$results/raw
 model=qwen3.6-35b-a3b
 model_dir=results/models/$model
 engine_manifest=results/engines/vllm/manifest.json
-arms="none mtp wmtp" ks="1 3 5" rungs="" pieces=1 budget=0 plan=0
+cache=results/engines/vllm/cache
+carried_cache=.gpu-inputs/compile-cache.tar.gz
+cache_limit=$((15 * 1024 * 1024))  # what one file back from the H200 may weigh, with room
+arms="none mtp wmtp" ks="1 3 5" rungs="" pieces=1 budget=0 plan=0 together=0
 py=python3
 
 die() { echo "h200_cells: ERROR: $*" >&2; exit 1; }
@@ -43,7 +53,8 @@ while [ $# -gt 0 ]; do
     --pieces) pieces=$2; shift ;;
     --budget-s) budget=$2; shift ;;
     --plan) plan=1 ;;
-    -h | --help) sed -n '2,23p' "$0"; exit 0 ;;
+    --together) together=1 ;;
+    -h | --help) sed -n '2,31p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
   shift
@@ -70,13 +81,40 @@ rungs=$(tr ' ' '\n' <<<"$rungs" | sed '/^$/d' | sort -rn | tr '\n' ' ')
 [ ${#cells[@]} -gt 0 ] || die "no cell of the study has arm in '$arms' and k in '$ks'"
 say "${#cells[@]} cell(s) × rungs $rungs; at most $pieces new piece(s) this run"
 
-if [ "$plan" = 1 ]; then
+have() {  # have CELL RUNG: a piece holding that rung of that cell has its raw files
+  local dir group
+  for dir in "$raw_root"/rung~*/"$1" "$raw_root"/rungs~*/"$1"; do
+    [ -f "$dir/manifest.json" ] || continue
+    group=$(basename "$(dirname "$dir")")
+    [[ "-${group#*~}-" == *"-$2-"* ]] && return 0
+  done
+  return 1
+}
+
+missing() {  # missing CELL: its rungs of this run without raw files, longest first
+  local rung out=""
+  for rung in $rungs; do have "$1" "$rung" || out="$out $rung"; done
+  echo $out
+}
+
+# The pieces, in order: "cell|rung rung ..." (longest rung first; a piece per rung unless --together).
+plan_pieces=()
+if [ "$together" = 1 ]; then
+  for cell in "${cells[@]}"; do
+    todo=$(missing "$cell")
+    [ -z "$todo" ] || plan_pieces+=("$cell|$todo")
+  done
+else
   for rung in $rungs; do
     for cell in "${cells[@]}"; do
-      [ -f "$raw_root/rung~$rung/$cell/manifest.json" ] && state=there || state=to-run
-      echo "h200_cells: plan: $state $rung $cell"
+      have "$cell" "$rung" || plan_pieces+=("$cell|$rung")
     done
   done
+fi
+
+if [ "$plan" = 1 ]; then
+  for piece in "${plan_pieces[@]}"; do echo "h200_cells: plan: to-run ${piece#*|} ${piece%%|*}"; done
+  [ ${#plan_pieces[@]} -gt 0 ] || echo "h200_cells: plan: every piece is there"
   exit 0
 fi
 
@@ -85,7 +123,11 @@ if [ "$pieces" -gt 0 ]; then
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # Triton's compiled kernels beside vLLM's compile cache (results/engines/vllm/cache), which the cells keep: a
 # second server of the shape starts without the first one's minutes of JIT while the machine stays up.
-export TRITON_CACHE_DIR=$PWD/results/engines/vllm/cache/triton
+export TRITON_CACHE_DIR=$PWD/$cache/triton
+if [ -f "$carried_cache" ] && [ ! -d "$cache" ]; then
+  mkdir -p "$cache" && tar xzf "$carried_cache" -C "$cache" &&
+    say "compile caches from $carried_cache: $(du -sh "$cache" | cut -f1)"
+fi
 # The pipeline's own modules need these beside vLLM: name what is missing before any server starts.
 $py -c 'import pandas, pyarrow, pydantic, jsonschema, yaml, httpx, tokenizers, jinja2' ||
   die "the image lacks a module the cells need (above); carry it with the engine"
@@ -115,54 +157,55 @@ say "engine ready: vLLM $($py -c "import json; print(json.load(open('$engine_man
 fi
 
 ran=0 failed=0
-for rung in $rungs; do
-  for cell in "${cells[@]}"; do
-    out_dir=$raw_root/rung~$rung/$cell
-    if [ -f "$out_dir/manifest.json" ]; then
-      continue
-    fi
-    if [ "$ran" -ge "$pieces" ]; then
-      say "not yet: $cell at $rung (and any after it); run again"
-      break 2
-    fi
-    if [ "$budget" -gt 0 ] && [ $((SECONDS - started)) -ge "$budget" ]; then
-      say "budget of ${budget}s spent; not starting $cell at $rung"
-      break 2
-    fi
-    ran=$((ran + 1))
-    log=$results/logs/cells/rung~$rung/$cell.log
-    mkdir -p "$(dirname "$log")"
-    study_json=$($py -m wmtp cell-study --config "$study" --cell "$cell" --rungs "$rung") || die "no study for $cell"
-    say "piece $ran: $cell at $rung tokens"
-    piece_started=$SECONDS
-    if $py -m wmtp --log "$log" cell --study-json "$study_json" --cell "$cell" --engine-manifest "$engine_manifest" \
-      --model-dir "$model_dir" --out "$out_dir" >"$log.out" 2>&1; then
-      say "done in $((SECONDS - piece_started)) s: $cell at $rung"
-    else
-      failed=1
-      say "FAILED after $((SECONDS - piece_started)) s: $cell at $rung (log: $log)"
-      mkdir -p "$OUT/failed"
-      cp "$log" "$log.out" "$OUT/failed/" 2>/dev/null
-      cp "$out_dir/failure.json" "$OUT/failed/" 2>/dev/null
-      find "$out_dir" -name 'server*.log' -exec tail -n 200 {} + >"$OUT/failed/server-tail.log" 2>/dev/null
-      tail -n 20 "$log.out"
-      break 2
-    fi
-  done
+for piece in "${plan_pieces[@]}"; do
+  cell=${piece%%|*} piece_rungs=${piece#*|}
+  if [ "$ran" -ge "$pieces" ]; then
+    say "not yet: $cell at $piece_rungs (and any after it); run again"
+    break
+  fi
+  if [ "$budget" -gt 0 ] && [ $((SECONDS - started)) -ge "$budget" ]; then
+    say "budget of ${budget}s spent; not starting $cell at $piece_rungs"
+    break
+  fi
+  ran=$((ran + 1))
+  read -ra list <<<"$piece_rungs"
+  if [ ${#list[@]} -eq 1 ]; then group="rung~${list[0]}"; else group="rungs~$(tr ' ' '-' <<<"$piece_rungs")"; fi
+  out_dir=$raw_root/$group/$cell
+  log=$results/logs/cells/$group/$cell.log
+  mkdir -p "$(dirname "$log")"
+  study_json=$($py -m wmtp cell-study --config "$study" --cell "$cell" --rungs "${list[@]}") || die "no study for $cell"
+  say "piece $ran: $cell at $piece_rungs tokens"
+  piece_started=$SECONDS
+  if $py -m wmtp --log "$log" cell --study-json "$study_json" --cell "$cell" --engine-manifest "$engine_manifest" \
+    --model-dir "$model_dir" --out "$out_dir" >"$log.out" 2>&1; then
+    say "done in $((SECONDS - piece_started)) s: $cell at $piece_rungs"
+    grep -h "wmtp plugin (pid" "$out_dir"/server*.log 2>/dev/null | tail -n 1 | cut -c1-300 | tee -a "$OUT/progress.log"
+  else
+    failed=1
+    say "FAILED after $((SECONDS - piece_started)) s: $cell at $piece_rungs (log: $log)"
+    mkdir -p "$OUT/failed"
+    cp "$log" "$log.out" "$OUT/failed/" 2>/dev/null
+    cp "$out_dir/failure.json" "$OUT/failed/" 2>/dev/null
+    find "$out_dir" -name 'server*.log' -exec tail -n 200 {} + >"$OUT/failed/server-tail.log" 2>/dev/null
+    tail -n 20 "$log.out"
+    break
+  fi
 done
 
-# Collect each rung's pieces on their own (their protocols differ in the rung), then one step file of them all.
+# Collect each group of pieces on its own (a piece's protocol holds its rungs), then one step file of them all.
 tidy_dirs=()
-for rung in $rungs; do
-  mapfile -t manifests < <(find "$raw_root/rung~$rung" -path '*/c~*/manifest.json' -not -path '*/.*' 2>/dev/null | sort)
+for group_dir in "$raw_root"/rung~* "$raw_root"/rungs~*; do
+  [ -d "$group_dir" ] || continue
+  group=$(basename "$group_dir")
+  mapfile -t manifests < <(find "$group_dir" -path '*/c~*/manifest.json' -not -path '*/.*' 2>/dev/null | sort)
   [ ${#manifests[@]} -gt 0 ] || continue
-  tidy=$results/tidy/rung~$rung
-  if $py -m wmtp --log "$results/logs/collect-rung~$rung.log" collect --out "$tidy" "${manifests[@]}" >/dev/null 2>&1; then
+  tidy=$results/tidy/$group
+  if $py -m wmtp --log "$results/logs/collect-$group.log" collect --out "$tidy" "${manifests[@]}" >/dev/null 2>&1; then
     tidy_dirs+=("$tidy")
-    say "collected ${#manifests[@]} piece(s) at $rung"
+    say "collected ${#manifests[@]} piece(s) of $group"
   else
-    say "collect failed at $rung (log: $results/logs/collect-rung~$rung.log)"
-    cp "$results/logs/collect-rung~$rung.log" "$OUT/" 2>/dev/null
+    say "collect failed for $group (log: $results/logs/collect-$group.log)"
+    cp "$results/logs/collect-$group.log" "$OUT/" 2>/dev/null
     failed=1
   fi
 done
@@ -176,5 +219,14 @@ print("\n".join(sorted({json.load(open(f))["engine"]["versions"].get("vllm", "?"
     column -s, -t <"$OUT/vllm_$model.csv" | cut -c1-160
 fi
 [ -d "$raw_root" ] && tar czf "$OUT/raw.tar.gz" "$raw_root"
+if [ -d "$cache" ]; then
+  tar czf "$OUT/compile-cache.tar.gz" -C "$cache" . 2>/dev/null
+  size=$(stat -c %s "$OUT/compile-cache.tar.gz")
+  if [ "$size" -gt "$cache_limit" ]; then
+    say "compile caches are $((size / 1048576)) MiB packed, more than comes back; left on the machine"
+    du -sh "$cache"/* 2>/dev/null | tee -a "$OUT/progress.log"
+    rm -f "$OUT/compile-cache.tar.gz"
+  fi
+fi
 say "run took $((SECONDS - started)) s"
 exit $failed

@@ -162,3 +162,35 @@ def test_run_cell_fails_a_wmtp_cell_whose_window_never_ran(tmp_path, tiny_tokeni
     assert failure["error"] == "WindowNotApplied"
     assert failure["message"].startswith("the windowed draft never ran: prompts of up to 160 tokens exceed S + W = 68")
     assert not (out / "manifest.json").exists()
+
+
+def test_the_check_compares_the_skipped_blocks_with_the_decode_context_they_were_read_at():
+    """On a GPU the sum of dropped blocks lags the host's counters by a write: the check pairs it with the decode
+    context of its own read, so a lagging zero after a short start is no failure, and a zero at a long one is."""
+    base = {"pid": 1, "vllm_version": "9.9.9", "sink": 16, "window": 128, "builds": 9, "windowed_forwards": 8,
+            "longest_context": 5000, "longest_decode_context": 5000, "message": "m",
+            **stats.effective(16, 128, 128)}  # fmt: skip
+    lagging = {**base, "blocks_skipped": 0, "skipped_as_of_decode_context": 200}
+    assert stats.check([lagging], 5000, 16, 128, 3, None)["windowed_forwards"] == 8
+    stale = {**base, "blocks_skipped": 0, "skipped_as_of_decode_context": 5000}
+    with pytest.raises(stats.WindowNotApplied, match="decode steps at up to 5000 tokens must drop"):
+        stats.check([stale], 5000, 16, 128, 3, None)
+    older = {**base, "blocks_skipped": 0}  # a file written before the read was paired: its longest context
+    with pytest.raises(stats.WindowNotApplied):
+        stats.check([older], 5000, 16, 128, 3, None)
+
+
+def test_a_host_sum_is_read_at_once_and_the_hooks_host_time_is_averaged_per_build(tmp_path, monkeypatch):
+    monkeypatch.setenv(stats.ENV, str(tmp_path))
+    counter = stats.DraftStats(16, 128, "9.9.9")
+    for length in (1000, 2000):
+        counter.record(16, 128, 128, length, 1, _Drops(2, 1))
+        counter.add_host_ns(150_000)
+    counter.record(16, 128, 128, 100, 1, None)
+    snap = counter.snapshot()
+    assert (snap["blocks_skipped"], snap["skipped_as_of_decode_context"]) == (6, 2000)
+    assert snap["hook_host_us_per_build"] == 100.0  # 300 µs over three builds
+    one = {**snap, "builds": 3}
+    assert (
+        stats.summarize([one, {**one, "hook_host_us_per_build": 200.0, "builds": 1}])["hook_host_us_per_build"] == 125.0
+    )

@@ -24,9 +24,9 @@
 #   --together     a piece is one cell over all its missing rungs of --rungs, in one server
 #   --plan         list the pieces this run would start, and stop (no engine needed)
 # Compile caches: .gpu-inputs/compile-cache.tar.gz, when carried in, is unpacked into results/engines/vllm/cache
-# before the first server starts (Triton's kernels and vLLM's torch.compile artefacts: minutes of a cold start).
+# before the first server starts (Triton's kernels: the largest part of a cold start's minutes).
 # Writes to $OUT: vllm_qwen3.6-35b-a3b.csv (the step file), raw.tar.gz (every piece's raw files, to carry back in
-# as results/h200-vllm/raw), compile-cache.tar.gz (that cache, when it fits what comes back), progress.log, and
+# as results/h200-vllm/raw), compile-cache.tar.gz (Triton's cache, when it fits what comes back), progress.log, and
 # the failed piece's log and failure.json when one fails.
 set -uo pipefail
 study=config/studies/h200-vllm.yaml
@@ -216,17 +216,19 @@ import json, sys
 print("\n".join(sorted({json.load(open(f))["engine"]["versions"].get("vllm", "?") for f in sys.argv[1:]})))' {} +)
   [ "$(wc -l <<<"$version")" -eq 1 ] || die "the pieces ran different vLLM releases: $version"
   $py -m wmtp step-table --tidy "${tidy_dirs[@]}" --engine-version "$version" --out "$OUT/vllm_$model.csv" &&
-    column -s, -t <"$OUT/vllm_$model.csv" | cut -c1-160
+    cut -d, -f2,3,6,8,11,19 "$OUT/vllm_$model.csv"  # arm, k, context, step_ms, n, ttft_s
 fi
 [ -d "$raw_root" ] && tar czf "$OUT/raw.tar.gz" "$raw_root"
-if [ -d "$cache" ]; then
-  tar czf "$OUT/compile-cache.tar.gz" -C "$cache" . 2>/dev/null
+# Triton's kernels alone come back (the GDN kernels' JIT is the longest part of a cold start); vLLM's torch.compile
+# artefacts, hundreds of MiB over the cells, stay on the machine.
+if [ -d "$cache/triton" ]; then
+  tar czf "$OUT/compile-cache.tar.gz" -C "$cache" triton 2>/dev/null
   size=$(stat -c %s "$OUT/compile-cache.tar.gz")
   if [ "$size" -gt "$cache_limit" ]; then
-    say "compile caches are $((size / 1048576)) MiB packed, more than comes back; left on the machine"
-    du -sh "$cache"/* 2>/dev/null | tee -a "$OUT/progress.log"
+    say "Triton's cache is $((size / 1048576)) MiB packed, more than comes back; left on the machine"
     rm -f "$OUT/compile-cache.tar.gz"
   fi
+  du -sh "$cache"/* 2>/dev/null | tee -a "$OUT/progress.log"
 fi
 say "run took $((SECONDS - started)) s"
 exit $failed

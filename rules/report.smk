@@ -8,6 +8,8 @@ rule report:
         notebook="notebooks/report.ipynb",
         code=source_files("analyze", "report"),
         replica=REPLICA_RESULTS / "tidy" / "replica.parquet",
+        # A real engine's step files beside the replica's raw numbers (measurements/h200/vllm_<model>.csv).
+        engine_steps=sorted(REPLICA_RAW.glob("vllm_*.csv")),
         # Everything else the report reads: editing a published number or a model's facts re-renders it.
         published=sorted(Path(workflow.basedir).glob("config/published/*.csv")),
         models=sorted(Path(workflow.basedir).glob("config/models/*.json")),
@@ -26,4 +28,4 @@ rule report:
         "../envs/pipeline.yaml"
     shell:
         "{params.py} -m wmtp --log {log:q} report --study {params.study:q} --tidy {params.tidy:q} --out {params.out:q} "
-        "--replica {input.replica:q}"
+        "--replica {input.replica:q} --engine-steps {input.engine_steps:q}"

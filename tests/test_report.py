@@ -334,9 +334,12 @@ def _html_checks(html_path: Path, figures: set[str]) -> str:
 @pytest.mark.timeout(600)
 def test_render_full_report(tmp_path, full_tidy_dir):
     out = tmp_path / "report"
-    assert render.main_report(["--study", "spark-128k", "--tidy", str(full_tidy_dir), "--out", str(out)]) == 0
-    html = _html_checks(out / "index.html", FULL_FIGURES)
+    steps = ROOT / "measurements" / "h200" / "vllm_qwen3.6-35b-a3b.csv"
+    argv = ["--study", "spark-128k", "--tidy", str(full_tidy_dir), "--out", str(out), "--engine-steps", str(steps)]
+    assert render.main_report(argv) == 0
+    html = _html_checks(out / "index.html", FULL_FIGURES | {"engine_steps"})
     assert "Study report" in html
+    assert "A real engine on a GPU" in html and "vLLM 0.24.0" in html
     assert sections.NOTE_NO_POWER not in html
     assert compare.NOTE_NO_WINDOWED not in html
     assert "paper: 1.28–1.44× at 1M" not in html  # legend text lives in the image, not the page

@@ -110,6 +110,7 @@ def render_report(
     *,
     published_dir: Path | str | None = None,
     replica_path: Path | str | None = None,
+    engine_step_paths: Sequence[Path | str] = (),
     notebook: Path | str | None = None,
     timeout_s: int = 900,
 ) -> Path:
@@ -135,6 +136,7 @@ def render_report(
         "published_dir": str(Path(published_dir).resolve() if published_dir else PUBLISHED_DIR),
         "figures_dir": str(figures_dir),
         "replica_path": str(Path(replica_path).resolve()) if replica_path else "",
+        "engine_step_paths": [str(Path(p).resolve()) for p in engine_step_paths],
     }
     executed = out_dir / "report.ipynb"
     with _venv_kernel():
@@ -164,6 +166,13 @@ def main_report(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="replica.parquet (default results/replica/tidy/replica.parquet next to --tidy)",
     )
+    parser.add_argument(
+        "--engine-steps",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="a real engine's step files (vllm_<model>.csv from wmtp step-table), set beside the replica",
+    )
     parser.add_argument("--notebook", type=Path, default=None, help=f"report notebook (default {NOTEBOOK})")
     parser.add_argument("--timeout", type=int, default=900, help="per-cell timeout in seconds")
     args = parser.parse_args(list(argv) if argv is not None else None)
@@ -173,6 +182,7 @@ def main_report(argv: Sequence[str] | None = None) -> int:
         args.out,
         published_dir=args.published,
         replica_path=args.replica,
+        engine_step_paths=args.engine_steps,
         notebook=args.notebook,
         timeout_s=args.timeout,
     )

@@ -7,6 +7,7 @@ The notebook only plots and formats; every number it shows comes from this packa
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from wmtp.report.compare import (
     ring_reclaim_section,
     wedge_section,
 )
+from wmtp.report.engine_steps import engine_step_section, load_engine_steps
 from wmtp.report.labels import (
     add_labels,
     arm_order,
@@ -559,6 +561,7 @@ class ReportData:
     window_cost: Section
     replica_floor: Section
     replica_batch: Section
+    engine_steps: Section
 
 
 def load_report_data(
@@ -566,11 +569,13 @@ def load_report_data(
     tidy_dir: Path | str,
     published_dir: Path | str | None = None,
     replica_path: Path | str | None = None,
+    engine_step_paths: Sequence[Path | str] = (),
     *,
     n_boot: int = an.DEFAULT_N_BOOT,
     seed: int = an.DEFAULT_SEED,
 ) -> ReportData:
-    """Loads and derives everything the report shows. ``replica_path`` '' or None: the default location."""
+    """Loads and derives everything the report shows. ``replica_path`` '' or None: the default location;
+    ``engine_step_paths``: a real engine's step files (``measurements/<device>/vllm_<model>.csv``)."""
     tidy = load_tidy(tidy_dir)
     published = load_published(published_dir)
     replica_file = replica_path or default_replica_path(tidy_dir)
@@ -609,4 +614,5 @@ def load_report_data(
         window_cost=window_cost_section(tidy.requests),
         replica_floor=replica_floor_section(replica_table),
         replica_batch=replica_batch_section(replica_table),
+        engine_steps=engine_step_section(load_engine_steps(engine_step_paths), replica_table),
     )

@@ -1,0 +1,77 @@
+"""A real engine's step file in the report: its ratio beside the replica's, the cost model's and the ceiling."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from wmtp.report.engine_steps import break_even_tokens, engine_step_section, load_engine_steps
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _step(arm: str, k: int, context: int, step_ms: float, n: int = 3, **extra) -> dict:
+    return {"engine_version": "0.24.0", "arm": arm, "k": k, "context": context, "batch": 1, "step_ms": step_ms,
+            "n": n, **extra}  # fmt: skip
+
+
+def _write(tmp_path: Path, rows: list[dict], model: str = "qwen3.6-35b-a3b") -> Path:
+    path = tmp_path / f"vllm_{model}.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    return path
+
+
+def test_break_even_is_the_cycle_over_the_no_draft_step():
+    assert break_even_tokens(12.0, 6.0) == 2.0
+    assert math.isnan(break_even_tokens(12.0, math.nan)) and math.isnan(break_even_tokens(12.0, 0.0))
+
+
+def test_one_row_per_context_and_k_with_the_replica_at_the_same_shape(tmp_path):
+    rows = [
+        _step("none", 0, 131072, 5.0),
+        _step("mtp", 3, 131072, 9.0),
+        _step("wmtp", 3, 131072, 8.0, windowed_forwards=100.0),
+        _step("mtp", 1, 131072, 7.0),  # no wmtp at k 1: no row
+        _step("mtp", 3, 262144, 10.0, n=2),
+        _step("wmtp", 3, 262144, 9.0, n=2, windowed_forwards=50.0),  # no none here, no replica at 262K
+    ]
+    replica = pd.DataFrame(
+        [
+            {"model": "Qwen3.6-35B-A3B", "context": 131072, "k": 3, "batch": 1, "arm": arm, "measured_ratio": 1.04,
+             "predicted_ratio": 1.05}
+            for arm in ("mtp", "wmtp")
+        ]
+        + [{"model": "Qwen3.6-35B-A3B", "context": 131072, "k": 3, "batch": 2, "arm": "mtp", "measured_ratio": 1.1,
+            "predicted_ratio": 1.2}]
+    )  # fmt: skip
+    steps = load_engine_steps([_write(tmp_path, rows)])
+    frame = engine_step_section(steps, replica).frame.set_index("context")
+    assert list(frame.index) == ["131K", "262K"] and set(frame["k"]) == {3}
+    short = frame.loc["131K"]
+    assert short["engine"] == "vLLM 0.24.0" and short["model"] == "qwen3.6-35b-a3b"
+    assert short["engine mtp / wmtp"] == pytest.approx(9 / 8, abs=1e-3)
+    assert (short["replica"], short["cost model"]) == (1.04, 1.05)  # batch 1, not the batch-2 row
+    assert short["ceiling 1 + k/L_full"] == pytest.approx(1.3)  # 10 full-attention layers, k 3
+    assert (short["break-even tokens/cycle, mtp"], short["break-even tokens/cycle, wmtp"]) == (1.8, 1.6)
+    assert short["n none/mtp/wmtp"] == "3/3/3" and short["windowed draft forwards"] == 100.0
+    longer = frame.loc["262K"]
+    assert math.isnan(longer["replica"]) and math.isnan(longer["break-even tokens/cycle, mtp"])
+    assert longer["n none/mtp/wmtp"] == "0/2/2"
+
+
+def test_nothing_to_show_without_a_step_file():
+    assert not engine_step_section(None, None).available
+    assert load_engine_steps([]) is None
+
+
+def test_the_committed_h200_steps_reach_every_context_with_all_three_arms():
+    """The real-engine file as committed: none, mtp and wmtp at each context, the window applied in every wmtp row."""
+    path = ROOT / "measurements" / "h200" / "vllm_qwen3.6-35b-a3b.csv"
+    steps = load_engine_steps([path])
+    frame = engine_step_section(steps, None).frame
+    assert len(frame) >= 3 and frame["tokens"].max() >= 524288
+    assert frame["none (ms)"].notna().all() and (frame["windowed draft forwards"] > 0).all()
+    assert ((frame["engine mtp / wmtp"] > 0.5) & (frame["engine mtp / wmtp"] < 2.0)).all()

@@ -147,5 +147,8 @@ def test_chat_cell_on_the_real_server(engine_python, tmp_path):
     assert len(measured) == 4 and set(measured["workload"]) == {"code", "copy"}
     assert (measured["prompt_tokens"] == 1024).all()
     assert (measured["completion_tokens"] == 16).all()
+    # the chat stream's opening role delta is no step: the chunks after the first add every token but the first's
+    for added, tokens in zip(measured["chunk_new_tokens"], measured["completion_tokens"], strict=True):
+        assert min(added) >= 1 and tokens - 4 <= sum(added) <= tokens - 1
     counters = pd.read_parquet(out / "counters.parquet")
     assert counters[counters["counter"] == "drafts"]["delta"].sum() > 0

@@ -56,7 +56,7 @@ def test_one_row_per_context_and_k_with_the_replica_at_the_same_shape(tmp_path):
     assert (short["replica"], short["cost model"]) == (1.04, 1.05)  # batch 1, not the batch-2 row
     assert short["ceiling 1 + k/L_full"] == pytest.approx(1.3)  # 10 full-attention layers, k 3
     assert (short["break-even tokens/cycle, mtp"], short["break-even tokens/cycle, wmtp"]) == (1.8, 1.6)
-    assert short["n none/mtp/wmtp"] == "3/3/3" and short["windowed draft forwards"] == 100.0
+    assert short["n none/mtp/wmtp"] == "3/3/3" and short["windowed draft forwards (server)"] == 100.0
     longer = frame.loc["262K"]
     assert math.isnan(longer["replica"]) and math.isnan(longer["break-even tokens/cycle, mtp"])
     assert longer["n none/mtp/wmtp"] == "0/2/2"
@@ -73,5 +73,15 @@ def test_the_committed_h200_steps_reach_every_context_with_all_three_arms():
     steps = load_engine_steps([path])
     frame = engine_step_section(steps, None).frame
     assert len(frame) >= 3 and frame["tokens"].max() >= 524288
-    assert frame["none (ms)"].notna().all() and (frame["windowed draft forwards"] > 0).all()
+    assert frame["none (ms)"].notna().all() and (frame["windowed draft forwards (server)"] > 0).all()
     assert ((frame["engine mtp / wmtp"] > 0.5) & (frame["engine mtp / wmtp"] < 2.0)).all()
+
+
+def test_a_replica_table_from_before_the_batch_sweep_is_read_as_one_request(tmp_path):
+    rows = [_step("none", 0, 131072, 5.0), _step("mtp", 3, 131072, 9.0), _step("wmtp", 3, 131072, 8.0)]
+    replica = pd.DataFrame(
+        [{"model": "Qwen3.6-35B-A3B", "context": 131072, "k": 3, "arm": "mtp", "measured_ratio": 1.04,
+          "predicted_ratio": 1.05}]
+    )  # fmt: skip
+    steps = load_engine_steps([_write(tmp_path, rows)])
+    assert engine_step_section(steps, replica).frame["replica"].tolist() == [1.04]

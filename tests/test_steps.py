@@ -149,26 +149,42 @@ def test_cycles_come_from_the_chunks_gaps_over_the_cycles_their_tokens_took():
                 chunk_gaps_ms=[300.0, 320.0, 340.0, 340.0],
                 chunk_new_tokens=[1, 1, 1, 1],
             ),
-            # 128K: the server merged two steps into the second chunk, at two tokens a cycle (a gap of 2 cycles
-            # of 10 ms), and a request that recorded no token counts (its gaps count only as chunks)
+            # 128K: the server merged two steps into the second chunk (a gap of 2 cycles of 10 ms), and a request
+            # that recorded no token counts (its gaps count only as chunks)
             _request(
                 "mtp3",
                 "mtp",
                 3,
                 131072,
                 0.04,
-                completion_tokens=7,
+                completion_tokens=5,
                 chunk_gaps_ms=[10.0, 20.0, 12.0],
-                chunk_new_tokens=[2, 4, 2],
+                chunk_new_tokens=[1, 2, 1],
             ),
             _request("mtp3", "mtp", 3, 131072, 0.04, completion_tokens=3, chunk_gaps_ms=[12.0, 8.0]),
+            # 262K, a head that accepts (2 tokens a cycle): a chunk's tokens then tell acceptance, not merged steps
+            _request(
+                "mtp3",
+                "mtp",
+                3,
+                262144,
+                0.04,
+                completion_tokens=5,
+                chunk_gaps_ms=[10.0, 10.0],
+                chunk_new_tokens=[1, 3],
+            ),
             _request("wmtp3", "wmtp", 3, 131072, 0.04, completion_tokens=5, cell_hook_host_us_per_build=87.5),
         ]
     )
     rungs = pd.DataFrame(
         [
             {"cell_id": c, "workload": "code", "rung": r, "tok_per_verify": t}
-            for c, r, t in [("mtp3", 1048576, 1.0), ("mtp3", 131072, 2.0), ("wmtp3", 131072, 1.0)]
+            for c, r, t in [
+                ("mtp3", 1048576, 1.0),
+                ("mtp3", 131072, 1.0),
+                ("mtp3", 262144, 2.0),
+                ("wmtp3", 131072, 1.0),
+            ]
         ]
     )
     table = step_table(requests, rungs, "0.24.0").set_index(["arm", "context"])
@@ -177,7 +193,9 @@ def test_cycles_come_from_the_chunks_gaps_over_the_cycles_their_tokens_took():
     assert long["cycle_ms_p10"] == pytest.approx(306.0) and long["cycle_ms_p90"] == pytest.approx(340.0)
     short = table.loc[("mtp", 131072)]
     assert (short["cycles"], short["cycle_ms"]) == (3, 10.0)  # 10/1, 20/2 and 12/1 ms a cycle
-    assert short["chunk_ms"] == 12.0 and short["tokens_per_chunk"] == pytest.approx((6 + 2) / 5)
+    assert short["chunk_ms"] == 12.0 and short["tokens_per_chunk"] == pytest.approx((4 + 2) / 5)
+    accepting = table.loc[("mtp", 262144)]
+    assert accepting["cycles"] == 0 and accepting["chunk_ms"] == 10.0 and accepting["tokens_per_chunk"] == 2.0
     # Requests that recorded no chunks (older raw files) leave the cycle columns empty, not zero.
     windowed = table.loc[("wmtp", 131072)]
     assert windowed["cycles"] == 0 and math.isnan(windowed["cycle_ms"]) and math.isnan(windowed["chunk_ms"])

@@ -113,7 +113,7 @@ else
 fi
 
 if [ "$plan" = 1 ]; then
-  for piece in "${plan_pieces[@]}"; do echo "h200_cells: plan: to-run ${piece#*|} ${piece%%|*}"; done
+  for piece in ${plan_pieces[@]+"${plan_pieces[@]}"}; do echo "h200_cells: plan: to-run ${piece#*|} ${piece%%|*}"; done
   [ ${#plan_pieces[@]} -gt 0 ] || echo "h200_cells: plan: every piece is there"
   exit 0
 fi
@@ -125,8 +125,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # second server of the shape starts without the first one's minutes of JIT while the machine stays up.
 export TRITON_CACHE_DIR=$PWD/$cache/triton
 if [ -f "$carried_cache" ] && [ ! -d "$cache" ]; then
-  mkdir -p "$cache" && tar xzf "$carried_cache" -C "$cache" &&
+  if mkdir -p "$cache" && tar xzf "$carried_cache" -C "$cache"; then
     say "compile caches from $carried_cache: $(du -sh "$cache" | cut -f1)"
+  else
+    rm -rf "$cache"
+    say "could not unpack $carried_cache; the servers compile from scratch"
+  fi
 fi
 # The pipeline's own modules need these beside vLLM: name what is missing before any server starts.
 $py -c 'import pandas, pyarrow, pydantic, jsonschema, yaml, httpx, tokenizers, jinja2' ||
@@ -157,7 +161,7 @@ say "engine ready: vLLM $($py -c "import json; print(json.load(open('$engine_man
 fi
 
 ran=0 failed=0
-for piece in "${plan_pieces[@]}"; do
+for piece in ${plan_pieces[@]+"${plan_pieces[@]}"}; do
   cell=${piece%%|*} piece_rungs=${piece#*|}
   if [ "$ran" -ge "$pieces" ]; then
     say "not yet: $cell at $piece_rungs (and any after it); run again"
@@ -222,8 +226,8 @@ fi
 # Triton's kernels alone come back (the GDN kernels' JIT is the longest part of a cold start); vLLM's torch.compile
 # artefacts, hundreds of MiB over the cells, stay on the machine.
 if [ -d "$cache/triton" ]; then
-  tar czf "$OUT/compile-cache.tar.gz" -C "$cache" triton 2>/dev/null
-  size=$(stat -c %s "$OUT/compile-cache.tar.gz")
+  tar czf "$OUT/compile-cache.tar.gz" -C "$cache" triton 2>/dev/null || rm -f "$OUT/compile-cache.tar.gz"
+  size=$(stat -c %s "$OUT/compile-cache.tar.gz" 2>/dev/null || echo 0)
   if [ "$size" -gt "$cache_limit" ]; then
     say "Triton's cache is $((size / 1048576)) MiB packed, more than comes back; left on the machine"
     rm -f "$OUT/compile-cache.tar.gz"

@@ -65,9 +65,17 @@ def _lists(group: pd.DataFrame, column: str) -> list:
     ]
 
 
+# Where a cycle yields about one token, a chunk's tokens count its cycles; where drafts are accepted, a cycle
+# yields 1 to k + 1 tokens, and a chunk's tokens tell acceptance, not how many steps the server merged.
+ONE_TOKEN_CYCLES = 1.05
+
+
 def chunk_cycles(gaps: list[float], new_tokens: list[int], tokens_per_cycle: float) -> list[float]:
-    """One request's cycle times (ms), chunk by chunk: each gap over the cycles its chunk's tokens took."""
-    if not tokens_per_cycle > 0 or len(gaps) != len(new_tokens):
+    """One request's cycle times (ms), chunk by chunk: each gap over the cycles its chunk's tokens took.
+
+    Only at about one token a cycle (no draft, or a draft almost never accepted); empty otherwise.
+    """
+    if not 0 < tokens_per_cycle <= ONE_TOKEN_CYCLES or len(gaps) != len(new_tokens):
         return []
     return [gap * tokens_per_cycle / tokens for gap, tokens in zip(gaps, new_tokens, strict=True) if tokens > 0]
 
@@ -110,7 +118,12 @@ def step_table(
             ],
             dtype=float,
         )
-        chunked = [(int(c) - 1, len(one)) for one, c in zip(gap_lists, group["completion_tokens"], strict=True) if one]
+        # Tokens the chunks after the first added, over their number: counted where recorded, else the request's.
+        chunked = [
+            (sum(tokens) if tokens else int(c) - 1, len(one))
+            for one, tokens, c in zip(gap_lists, token_lists, group["completion_tokens"], strict=True)
+            if one
+        ]
         ttft = pd.to_numeric(group["ttft_s"], errors="coerce").dropna()
         windowed = first["arm"] in ("wmtp", "wmtp-ring")
         rows.append(

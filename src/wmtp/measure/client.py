@@ -105,15 +105,25 @@ def _add_logprobs(lp: Mapping[str, Any] | None, token_ids: list[int], tops: list
         tops.append({_token_id(t): v for t, v in (top or {}).items()})
 
 
+def _carries_output(choice: Mapping[str, Any]) -> bool:
+    """A choice with generated text or tokens: not a chat stream's opening role delta, not a bare finish."""
+    if _choice_text(choice) or choice.get("logprobs"):
+        return True
+    delta = choice.get("delta")
+    return (delta is None and not choice.get("finish_reason")) or bool(delta and delta.get("tool_calls"))
+
+
 def _note_chunk(chunk: Mapping[str, Any], choices: list, times: list[float], tokens: list[int]) -> None:
     """When a chunk with output arrived and, where its usage says, the completion tokens so far."""
-    # A closing chunk (empty, with the finish reason alone) is no step of its own.
-    if not any(_choice_text(c) or not c.get("finish_reason") for c in choices):
-        return
-    times.append(time.monotonic())
-    so_far = (chunk.get("usage") or {}).get("completion_tokens")
+    so_far = (chunk.get("usage") or {}).get("completion_tokens") if choices else None
     if so_far is not None:
-        tokens.append(int(so_far))
+        # Usage on every chunk: a chunk is a step of output exactly when it added tokens.
+        if int(so_far) > (tokens[-1] if tokens else 0):
+            times.append(time.monotonic())
+            tokens.append(int(so_far))
+        return
+    if any(_carries_output(c) for c in choices):
+        times.append(time.monotonic())
 
 
 def complete(
@@ -175,7 +185,11 @@ def complete(
                 response.read()
                 raise RequestError(f"server answered {response.status_code}: {response.text[:500]}")
             for chunk in _events(response.iter_lines()):
-                if chunk.get("usage"):
+                if chunk.get("error"):
+                    raise RequestError(f"the server broke off the stream: {str(chunk['error'])[:500]}")
+                # The closing usage chunk has no choices; usage on every chunk (vLLM's continuous usage) would
+                # otherwise let a stream cut short pass for a complete one.
+                if chunk.get("usage") and not chunk.get("choices"):
                     usage = chunk["usage"]
                 extensions.update({k: v for k, v in chunk.items() if k not in _OPENAI_KEYS and v is not None})
                 choices = chunk.get("choices") or []

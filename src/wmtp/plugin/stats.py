@@ -208,6 +208,8 @@ def summarize(found: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "blocks_skipped": sum(s["blocks_skipped"] for s in found),
         "longest_context": max((s["longest_context"] for s in found), default=0),
         "longest_decode_context": max((s.get("longest_decode_context", 0) for s in found), default=0),
+        # How far the reported skipped blocks had got: a read lagging far behind shows here.
+        "skipped_as_of_decode_context": max((s.get("skipped_as_of_decode_context", 0) for s in found), default=0),
     }
     timed = [s for s in found if s.get("hook_host_us_per_build") is not None and s["builds"]]
     total["hook_host_us_per_build"] = (

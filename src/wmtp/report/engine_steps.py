@@ -44,6 +44,13 @@ def break_even_tokens(step_ms: float, none_ms: float) -> float:
     return step_ms / none_ms
 
 
+def _batches(replica: pd.DataFrame) -> pd.Series:
+    """Requests per step of each replica row (one in tables from before the batch sweep)."""
+    if "batch" not in replica.columns:
+        return pd.Series(1, index=replica.index)
+    return pd.to_numeric(replica["batch"], errors="coerce").fillna(1)
+
+
 def _replica_ratio(replica: pd.DataFrame | None, model: str, context: int, k: int, batch: int) -> tuple[float, float]:
     """The replica's measured and the cost model's predicted ratio at that shape, or NaNs."""
     if replica is None or replica.empty or "measured_ratio" not in replica.columns:
@@ -53,7 +60,7 @@ def _replica_ratio(replica: pd.DataFrame | None, model: str, context: int, k: in
         (names == canonical_model(model))
         & (replica["context"] == context)
         & (replica["k"] == k)
-        & (pd.to_numeric(replica.get("batch", 1), errors="coerce").fillna(1) == batch)
+        & (_batches(replica) == batch)
         & (replica["arm"] == "mtp")
     ]
     if at.empty:
@@ -101,7 +108,8 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
                     "ceiling 1 + k/L_full": round(_ceiling(model, int(k)), 3),
                     "break-even tokens/cycle, mtp": round(break_even_tokens(float(mtp["step_ms"]), none_ms), 2),
                     "break-even tokens/cycle, wmtp": round(break_even_tokens(float(wmtp["step_ms"]), none_ms), 2),
-                    "windowed draft forwards": wmtp.get("windowed_forwards", math.nan),
+                    # The plugin's count over the wmtp cell's whole server, all of its rungs.
+                    "windowed draft forwards (server)": wmtp.get("windowed_forwards", math.nan),
                 }
             )
     return Section(pd.DataFrame(rows))

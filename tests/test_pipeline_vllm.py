@@ -167,6 +167,11 @@ def test_raw_files_and_manifest(pipeline):
         ]
         assert (measured["prompt_tokens"] == measured["rung"]).all()
         assert (measured["completion_tokens"] == 24).all()
+        # every measured request timed by the engine's own clock too: alone on the server, it is the one request
+        # whose finish the histograms counted between the snapshots around it
+        assert (measured["d_clock_requests"] == 1).all()
+        assert (measured["d_clock_generation_tokens"] == measured["completion_tokens"]).all()
+        assert (measured["d_clock_decode_s"] > 0).all() and (measured["d_clock_prefill_s"] > 0).all()
         assert (measured["ttft_s"] > 0).all() and (measured["e2e_s"] > measured["ttft_s"]).all()
         # the gaps between streamed chunks: positive, at most one per token after the first, together within the
         # request's decode window; vLLM's usage on every chunk says how many tokens each added, all of them but the

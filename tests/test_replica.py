@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch")
 from replica_shapes import TINY_GDN, TINY_MAMBA, fresh, gdn_inputs, rel_err  # noqa: E402
 
 from wmtp.analyze import costmodel as cm  # noqa: E402
+from wmtp.analyze import floor as fl  # noqa: E402
 from wmtp.replica import cli  # noqa: E402
-from wmtp.replica import floor as fl  # noqa: E402
 from wmtp.replica import kernels as kn  # noqa: E402
 from wmtp.replica import model as md  # noqa: E402
 from wmtp.replica import sweep as sw  # noqa: E402

@@ -138,6 +138,9 @@ class ProtocolSpec(_Strict):
     repeats: list[int]
     output_tokens: int = 256
     concurrency: list[int] = Field(default_factory=lambda: [1])
+    # Servers started for each configuration, one after another across the arms (server 1 of every arm, then
+    # server 2 …): what differs between two servers configured alike is measured, not taken for the arms'.
+    servers: int = 1
     warmup_requests: int = 3
     warmup_prompt_tokens: int = 64
     warmup_output_tokens: int = 16
@@ -158,6 +161,8 @@ class ProtocolSpec(_Strict):
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # Left out at their defaults, so that a raw-prompt study keeps its cells' identities and protocol hash.
         data = handler(self)
+        if data.get("servers") == 1:
+            data.pop("servers", None)
         if data.get("prompt_format") == "raw" and not data.get("chat_template_kwargs"):
             data.pop("prompt_format", None)
             data.pop("chat_template_kwargs", None)
@@ -265,6 +270,15 @@ class Cell(_Strict):
     sink: int | None = None
     window: int | None = None
     concurrency: int = 1
+    server: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Left out where the study starts each configuration once, so those cells keep their identities.
+        data = handler(self)
+        if data.get("server") is None:
+            data.pop("server", None)
+        return data
 
     @property
     def cell_id(self) -> str:
@@ -276,6 +290,7 @@ class Cell(_Strict):
             sink=self.sink,
             window=self.window,
             concurrency=self.concurrency,
+            server=self.server,
         )
         return format_cell_id(key, drafting=self.arm in DRAFTING_ARMS, windowed=self.arm in WINDOWED_ARMS)
 
@@ -298,11 +313,19 @@ class Cell(_Strict):
             sink=key.sink,
             window=key.window,
             concurrency=key.concurrency,
+            server=key.server,
         )
 
 
 def expand_cells(study: Study) -> Iterator[Cell]:
-    """The matrix: models × engines × arms × k × S × W × concurrency, in a stable order."""
+    """The matrix: models × engines × arms × k × S × W × concurrency, in a stable order; with several servers per
+    configuration, server 1 of every configuration first, then server 2, …"""
+    servers: list[int | None] = [None] if study.protocol.servers == 1 else list(range(1, study.protocol.servers + 1))
+    for server in servers:
+        yield from _configurations(study, server)
+
+
+def _configurations(study: Study, server: int | None) -> Iterator[Cell]:
     for model in study.models:
         for engine in study.engines:
             for arm in study.arms:
@@ -322,6 +345,7 @@ def expand_cells(study: Study) -> Iterator[Cell]:
                                     sink=sink,
                                     window=window,
                                     concurrency=concurrency,
+                                    server=server,
                                 )
 
 

@@ -46,9 +46,10 @@ TIDY_TABLES = ("requests", "rungs", "positions", "admission")
 ADMISSION_DIR = "admission"
 DERIVED_TABLES = ("answer", "excluded")
 
-# Cell ids: "model~M/engine~E/arm~A[/k~K][/s~S/w~W]/c~C". k appears for drafting arms, s and w for
-# windowed ones, so an id names exactly the settings that matter to its arm.
-CELL_ID_PATTERN = r"model~[^/]+/engine~[^/]+/arm~[^/]+(/k~\d+)?(/s~\d+/w~\d+)?/c~\d+"
+# Cell ids: "model~M/engine~E/arm~A[/k~K][/s~S/w~W]/c~C[/server~N]". k appears for drafting arms, s and w for
+# windowed ones, so an id names exactly the settings that matter to its arm; server N of a study that starts
+# each configuration's server more than once (protocol.servers), so that their spread can be measured.
+CELL_ID_PATTERN = r"model~[^/]+/engine~[^/]+/arm~[^/]+(/k~\d+)?(/s~\d+/w~\d+)?/c~\d+(/server~\d+)?"
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 _CELL_ID = re.compile(CELL_ID_PATTERN)
 _ID_KEYS = {
@@ -59,6 +60,7 @@ _ID_KEYS = {
     "s": "sink",
     "w": "window",
     "c": "concurrency",
+    "server": "server",
 }
 
 
@@ -77,6 +79,8 @@ class CellKey:
     sink: int | None = None
     window: int | None = None
     concurrency: int = 1
+    # Which of the configuration's servers (1, 2, …); None where the study starts each one once.
+    server: int | None = None
 
 
 def format_cell_id(key: CellKey, drafting: bool, windowed: bool) -> str:
@@ -86,6 +90,8 @@ def format_cell_id(key: CellKey, drafting: bool, windowed: bool) -> str:
     if windowed:
         parts += [f"s~{key.sink}", f"w~{key.window}"]
     parts.append(f"c~{key.concurrency}")
+    if key.server is not None:
+        parts.append(f"server~{key.server}")
     return "/".join(parts)
 
 
@@ -98,7 +104,7 @@ def parse_cell_id(cell_id: str) -> CellKey:
     for part in text.split("/"):
         key, _, value = part.partition("~")
         fields[_ID_KEYS[key]] = value
-    numbers = {name: int(fields[name]) for name in ("k", "sink", "window", "concurrency") if name in fields}
+    numbers = {name: int(fields[name]) for name in ("k", "sink", "window", "concurrency", "server") if name in fields}
     return CellKey(model=fields["model"], engine=fields["engine"], arm=fields["arm"], **numbers)
 
 

@@ -45,10 +45,14 @@ DEFAULT_SEED = 0
 
 def decode_tok_s(completion_tokens: int, e2e_s: float, ttft_s: float) -> float:
     """Decode rate excluding the first token, which belongs to prefill."""
-    window = e2e_s - ttft_s
-    if completion_tokens < 2 or window <= 0:
+    return decode_rate(completion_tokens, e2e_s - ttft_s)
+
+
+def decode_rate(completion_tokens: int, decode_s: float) -> float:
+    """Tokens after the first over the decode window (first token to last), on whichever clock timed it."""
+    if completion_tokens < 2 or not decode_s > 0:
         return math.nan
-    return (completion_tokens - 1) / window
+    return (completion_tokens - 1) / decode_s
 
 
 def prefill_tok_s(prompt_tokens: int, ttft_s: float) -> float:

@@ -50,6 +50,20 @@ DTYPE_BYTES: dict[str, int] = {
 #: Copy bandwidth (read + write bytes per second) measured on an H200 (docs/design.md, "Measured facts").
 H200_COPY_BANDWIDTH = 4.29e12
 
+#: Read bandwidth measured on a GPU (bytes/s), by a word of its NVML name: the rate no decode step beats, so a
+#: step's bytes at this rate are its floor (the H200's from measurements/h200/replica_bandwidth.csv).
+MEASURED_READ_BANDWIDTH: dict[str, float] = {"H200": 4.33e12}
+#: The datasheet's peak bandwidth (bytes/s): more bytes can never cost less than their count at this rate.
+PEAK_BANDWIDTH: dict[str, float] = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12, "GB10": 2.73e11}
+
+
+def device_bandwidth(gpu_name: str | None, table: Mapping[str, float] = MEASURED_READ_BANDWIDTH) -> float | None:
+    """The bandwidth of the table's entry whose key is a word of ``gpu_name`` ("NVIDIA H200" → H200); None when
+    the device is not in the table (a CPU, or a GPU never measured)."""
+    words = set((gpu_name or "").upper().replace("-", " ").split())
+    return next((rate for key, rate in table.items() if key in words), None)
+
+
 COMPONENTS = ("attn", "gdn", "mamba2", "moe")
 
 

@@ -19,6 +19,8 @@ import math
 
 import pandas as pd
 
+from wmtp.analyze import costmodel
+
 COLUMNS = [
     "engine_version",
     "arm",
@@ -31,12 +33,23 @@ COLUMNS = [
     "step_ms_min",
     "step_ms_max",
     "n",
+    "servers",
+    "server_step_ms",
+    "server_spread",
+    "clock",
+    "client_step_ms",
+    "clock_disagreement_max",
+    "floor_ms",
+    "over_floor",
+    "growth_ms",
+    "growth_floor_ms",
     "cycle_ms",
     "cycle_ms_p10",
     "cycle_ms_p90",
     "cycles",
     "chunk_ms",
     "tokens_per_chunk",
+    "first_chunk_tokens",
     "tokens_per_cycle",
     "ttft_s",
     "ttft_s_min",
@@ -45,7 +58,10 @@ COLUMNS = [
     "hook_host_us_per_build",
     "read_sink_tokens",
     "kv_cache_tokens",
+    "wmtp_revision",
+    "plugin_sha256",
 ]
+SHAPE = ["arm", "k", "S", "W", "context", "batch"]
 _RUNG = ["cell_id", "workload", "rung"]
 
 
@@ -87,45 +103,31 @@ def _optional(group: pd.DataFrame, column: str) -> float:
     return float(values.iloc[0]) if len(values) else math.nan
 
 
-def step_table(
-    requests: pd.DataFrame, rungs: pd.DataFrame, engine_version: str, workload: str = "code"
-) -> pd.DataFrame:
-    """The step file's rows from the tidy ``requests`` and ``rungs`` tables of one engine's cells.
+def _column(group: pd.DataFrame, column: str) -> pd.Series:
+    if column not in group.columns:
+        return pd.Series(math.nan, index=group.index, dtype=float)
+    return pd.to_numeric(group[column], errors="coerce")
 
-    Requests the screening excluded are left out; ``n`` counts the rest. A rung's tokens per cycle are its
-    counters' (``rungs.tok_per_verify``; 1 for the arm without a draft). Sorted by arm, k, S, W, context, batch.
-    """
-    kept = requests[(requests["workload"] == workload) & ~requests["excluded"].astype(bool)]
+
+def _median(values: pd.Series) -> float:
+    return float(values.median()) if len(values) else math.nan
+
+
+def _server_rows(kept: pd.DataFrame, rungs: pd.DataFrame, engine_version: str) -> list[dict]:
+    """One row per server and rung: that server's requests' cycles (engine clock and client's), chunk cycles,
+    floors and the plugin's figures."""
     per_rung = rungs.set_index(_RUNG)["tok_per_verify"]
     rows = []
     for _, group in kept.groupby(_RUNG, sort=True):
         first = group.iloc[0]
         tpc = 1.0 if first["arm"] == "none" else float(per_rung.get(tuple(first[_RUNG]), math.nan))
-        steps = pd.Series(
-            [
-                request_step_ms(d, int(c), tpc)
-                for d, c in zip(group["decode_s"], group["completion_tokens"], strict=True)
-            ]
-        ).dropna()
+        completions = [int(c) for c in group["completion_tokens"]]
+        steps = pd.Series([request_step_ms(d, c, tpc) for d, c in zip(group["decode_s"], completions, strict=True)])
+        client_decode = group["client_decode_s"] if "client_decode_s" in group.columns else group["decode_s"]
+        client = pd.Series([request_step_ms(d, c, tpc) for d, c in zip(client_decode, completions, strict=True)])
         gap_lists, token_lists = _lists(group, "chunk_gaps_ms"), _lists(group, "chunk_new_tokens")
-        gaps = pd.Series([g for one in gap_lists if one for g in one], dtype=float)
-        cycles = pd.Series(
-            [
-                c
-                for one, tokens in zip(gap_lists, token_lists, strict=True)
-                if one and tokens
-                for c in chunk_cycles(one, tokens, tpc)
-            ],
-            dtype=float,
-        )
-        # Tokens the chunks after the first added, over their number: counted where recorded, else the request's.
-        chunked = [
-            (sum(tokens) if tokens else int(c) - 1, len(one))
-            for one, tokens, c in zip(gap_lists, token_lists, group["completion_tokens"], strict=True)
-            if one
-        ]
-        ttft = pd.to_numeric(group["ttft_s"], errors="coerce").dropna()
         windowed = first["arm"] in ("wmtp", "wmtp-ring")
+        clocks = set(group["clock"]) if "clock" in group.columns else {"client"}
         rows.append(
             {
                 "engine_version": engine_version,
@@ -135,21 +137,28 @@ def step_table(
                 "W": int(first["window"]) if windowed else math.nan,
                 "context": int(first["rung"]),
                 "batch": int(first["concurrency"]),
-                "step_ms": float(steps.median()) if len(steps) else math.nan,
-                "step_ms_min": float(steps.min()) if len(steps) else math.nan,
-                "step_ms_max": float(steps.max()) if len(steps) else math.nan,
-                "n": len(steps),
-                "cycle_ms": float(cycles.median()) if len(cycles) else math.nan,
-                "cycle_ms_p10": float(cycles.quantile(0.1)) if len(cycles) else math.nan,
-                "cycle_ms_p90": float(cycles.quantile(0.9)) if len(cycles) else math.nan,
-                "cycles": len(cycles),
-                "chunk_ms": float(gaps.median()) if len(gaps) else math.nan,
-                # Tokens after the first over the chunks after the first: 1 when every chunk was one step's.
-                "tokens_per_chunk": sum(t for t, _ in chunked) / sum(n for _, n in chunked) if chunked else math.nan,
+                "steps": steps.dropna().tolist(),
+                "client_steps": client.dropna().tolist(),
+                "clock": clocks.pop() if len(clocks) == 1 else "mixed",
+                "disagreement": _column(group, "clock_disagreement"),
+                "floors": _column(group, "floor_ms"),
+                "gpu_name": first.get("gpu_name"),
+                "gaps": [g for one in gap_lists if one for g in one],
+                "cycles": [
+                    c
+                    for one, tokens in zip(gap_lists, token_lists, strict=True)
+                    if one and tokens
+                    for c in chunk_cycles(one, tokens, tpc)
+                ],
+                # Tokens after the first over the chunks after the first: counted where recorded, else the request's.
+                "chunked": [
+                    (sum(tokens) if tokens else c - 1, len(one))
+                    for one, tokens, c in zip(gap_lists, token_lists, completions, strict=True)
+                    if one
+                ],
+                "first_chunk_tokens": _column(group, "first_chunk_tokens"),
                 "tokens_per_cycle": tpc,
-                "ttft_s": float(ttft.median()) if len(ttft) else math.nan,
-                "ttft_s_min": float(ttft.min()) if len(ttft) else math.nan,
-                "ttft_s_max": float(ttft.max()) if len(ttft) else math.nan,
+                "ttft": pd.to_numeric(group["ttft_s"], errors="coerce").dropna(),
                 # The cell's server in total (the plugin's counter): > 0 shows the window was really applied.
                 "windowed_forwards": _optional(group, "cell_windowed_forwards"),
                 # The plugin's own host time per draft metadata build, in microseconds.
@@ -157,9 +166,110 @@ def step_table(
                 # What the draft really read as its sink: the engine rounds S up to whole KV blocks.
                 "read_sink_tokens": _optional(group, "read_sink_tokens"),
                 "kv_cache_tokens": _optional(group, "kv_cache_tokens"),
+                "wmtp_revision": _distinct(group, "wmtp_revision"),
+                "plugin_sha256": _distinct(group, "plugin_sha256"),
             }
         )
-    table = pd.DataFrame(rows, columns=COLUMNS)
+    return rows
+
+
+def _distinct(group: pd.DataFrame, column: str) -> str:
+    """The column's values, once each, joined by ';' (empty where it was not recorded)."""
+    if column not in group.columns:
+        return ""
+    return ";".join(sorted({str(v) for v in group[column] if isinstance(v, str) and v}))
+
+
+def _numbers(parts: list[dict], key: str) -> pd.Series:
+    series = [pd.Series(p[key], dtype=float) for p in parts if p[key] is not None and len(p[key])]
+    return pd.concat(series, ignore_index=True).dropna() if series else pd.Series(dtype=float)
+
+
+def _shape_row(parts: list[dict]) -> dict:
+    """One shape's row from its servers' rows: the median of the servers' median cycles, and their spread."""
+    first = parts[0]
+    steps, cycles, gaps = _numbers(parts, "steps"), _numbers(parts, "cycles"), _numbers(parts, "gaps")
+    server_steps = [float(pd.Series(p["steps"]).median()) for p in parts if p["steps"]]
+    step = float(pd.Series(server_steps).median()) if server_steps else math.nan
+    chunked = [pair for p in parts for pair in p["chunked"]]
+    ttft, floors = _numbers(parts, "ttft"), _numbers(parts, "floors")
+    clocks = {p["clock"] for p in parts}
+    disagreement = _numbers(parts, "disagreement")
+    floor = _median(floors)
+    return {
+        **{key: first[key] for key in ("engine_version", *SHAPE)},
+        "step_ms": step,
+        "step_ms_min": float(steps.min()) if len(steps) else math.nan,
+        "step_ms_max": float(steps.max()) if len(steps) else math.nan,
+        "n": len(steps),
+        "servers": len(server_steps),
+        "server_step_ms": ";".join(f"{v:.3f}" for v in server_steps),
+        # The servers' median cycles, highest over lowest less 1: what two servers configured alike differ by.
+        "server_spread": max(server_steps) / min(server_steps) - 1 if len(server_steps) > 1 else math.nan,
+        "clock": clocks.pop() if len(clocks) == 1 else "mixed",
+        "client_step_ms": _median(_numbers(parts, "client_steps")),
+        "clock_disagreement_max": float(disagreement.abs().max()) if len(disagreement) else math.nan,
+        "floor_ms": floor,
+        "over_floor": step / floor if floor > 0 else math.nan,
+        "cycle_ms": _median(cycles),
+        "cycle_ms_p10": float(cycles.quantile(0.1)) if len(cycles) else math.nan,
+        "cycle_ms_p90": float(cycles.quantile(0.9)) if len(cycles) else math.nan,
+        "cycles": len(cycles),
+        "chunk_ms": _median(gaps),
+        "tokens_per_chunk": sum(t for t, _ in chunked) / sum(n for _, n in chunked) if chunked else math.nan,
+        "first_chunk_tokens": _median(_numbers(parts, "first_chunk_tokens")),
+        "tokens_per_cycle": float(pd.Series([p["tokens_per_cycle"] for p in parts]).median()),
+        "ttft_s": _median(ttft),
+        "ttft_s_min": float(ttft.min()) if len(ttft) else math.nan,
+        "ttft_s_max": float(ttft.max()) if len(ttft) else math.nan,
+        **{
+            key: _median(pd.Series([p[key] for p in parts], dtype=float).dropna())
+            for key in ("windowed_forwards", "hook_host_us_per_build", "read_sink_tokens", "kv_cache_tokens")
+        },
+        "gpu_name": first["gpu_name"],
+        **{
+            key: ";".join(sorted({v for p in parts for v in p[key].split(";") if v}))
+            for key in ("wmtp_revision", "plugin_sha256")
+        },
+    }
+
+
+def _add_growth(table: pd.DataFrame) -> None:
+    """``growth_ms``: each shape's cycle less the same configuration's at the next shorter context;
+    ``growth_floor_ms``: the least that growth can be, its extra bytes at the device's peak bandwidth."""
+    table["growth_ms"] = math.nan
+    table["growth_floor_ms"] = math.nan
+    for _, group in table.groupby(["arm", "k", "S", "W", "batch"], dropna=False, sort=False):
+        ordered = group.sort_values("context")
+        for (_, shorter), (index, longer) in zip(ordered.iterrows(), ordered.iloc[1:].iterrows(), strict=False):
+            table.loc[index, "growth_ms"] = longer["step_ms"] - shorter["step_ms"]
+            measured = costmodel.device_bandwidth(longer["gpu_name"])
+            peak = costmodel.device_bandwidth(longer["gpu_name"], costmodel.PEAK_BANDWIDTH)
+            if measured and peak:
+                # The floors are bytes at the measured bandwidth: their difference at the peak instead.
+                table.loc[index, "growth_floor_ms"] = (longer["floor_ms"] - shorter["floor_ms"]) * measured / peak
+
+
+def step_table(
+    requests: pd.DataFrame, rungs: pd.DataFrame, engine_version: str, workload: str = "code"
+) -> pd.DataFrame:
+    """The step file's rows from the tidy ``requests`` and ``rungs`` tables of one engine's cells.
+
+    Requests the screening excluded are left out; ``n`` counts the rest, ``servers`` the servers they came from.
+    A rung's tokens per cycle are its counters' (``rungs.tok_per_verify``; 1 for the arm without a draft). The
+    cycle is timed by the clock ``clock`` names (``engine`` where the cells recorded the engine's own), the
+    client's beside it. Sorted by arm, k, S, W, context, batch.
+    """
+    kept = requests[(requests["workload"] == workload) & ~requests["excluded"].astype(bool)]
+    parts = _server_rows(kept, rungs, engine_version)
+    shapes: dict[tuple, list[dict]] = {}
+    for part in parts:
+        shapes.setdefault(tuple(str(part[key]) for key in SHAPE), []).append(part)
+    table = pd.DataFrame([_shape_row(group) for group in shapes.values()])
+    if table.empty:
+        return pd.DataFrame(columns=COLUMNS)
+    _add_growth(table)
+    table = table[COLUMNS].copy()
     # Whole numbers where there is a window, empty where there is none (not 16.0 and NaN).
     table[["S", "W"]] = table[["S", "W"]].astype("Int64")
     order = {"none": 0, "mtp": 1, "wmtp": 2, "wmtp-ring": 3}
@@ -167,3 +277,41 @@ def step_table(
         ["arm", "k", "S", "W", "context", "batch"], key=lambda c: c.map(order) if c.name == "arm" else c
     )
     return table.reset_index(drop=True)
+
+
+def server_ratio(table: pd.DataFrame, numerator: str, denominator: str, **where: object) -> pd.DataFrame:
+    """Per context, the ratio of two arms' cycles with its range over every pairing of their servers.
+
+    ``ratio`` is of the medians of the servers' median cycles; ``ratio_lo`` and ``ratio_hi`` the lowest and highest
+    ratio of one server of each (equal to ``ratio`` with one server each); ``resolved`` says whether that range
+    leaves 1 out. ``where`` narrows both arms' rows (k=3, W=4096 …).
+    """
+    rows = []
+    selected = table
+    for key, value in where.items():
+        selected = selected[selected[key] == value]
+    for context, group in selected.groupby("context", sort=True):
+        num, den = group[group["arm"] == numerator], group[group["arm"] == denominator]
+        if num.empty or den.empty:
+            continue
+        a, b = (_servers(frame.iloc[0]) for frame in (num, den))
+        ratio = float(num["step_ms"].iloc[0]) / float(den["step_ms"].iloc[0])
+        lo, hi = min(a) / max(b), max(a) / min(b)
+        rows.append(
+            {
+                "context": int(context),
+                "ratio": ratio,
+                "ratio_lo": lo,
+                "ratio_hi": hi,
+                "servers": f"{len(a)}/{len(b)}",
+                "resolved": lo > 1 or hi < 1,
+            }
+        )
+    return pd.DataFrame(rows, columns=["context", "ratio", "ratio_lo", "ratio_hi", "servers", "resolved"])
+
+
+def _servers(row: pd.Series) -> list[float]:
+    text = row.get("server_step_ms")
+    if isinstance(text, str) and text:
+        return [float(v) for v in text.split(";")]
+    return [float(row["step_ms"])]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from wmtp.analyze import analysis, costmodel
+from wmtp.analyze.floor import step_floor_ms
 from wmtp.layout import COUNTERS_FILE, MANIFEST_FILE, REQUESTS_FILE
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,67 @@ def effective_window(manifest: dict) -> dict[str, float]:
     return {column: math.nan if value is None else value for column, value in values.items()}
 
 
+# A request whose decode window on the client differs from the engine's by more than this share is listed with
+# both: its stream was held back (a late first chunk) or the client stalled.
+CLOCK_TOLERANCE = 0.05
+_CLOCK_COLUMNS = ("d_clock_requests", "d_clock_decode_s", "d_clock_generation_tokens")
+
+
+def apply_engine_clock(frame: pd.DataFrame) -> None:
+    """Time each request by the engine's own clock where the cell recorded it, the client's otherwise.
+
+    The raw ``ttft_s`` and ``decode_s`` are the client's (first streamed chunk, last chunk) and are kept as
+    ``client_ttft_s`` and ``client_decode_s``. Where the snapshots around a request counted exactly that request
+    finishing with its tokens, ``decode_s`` becomes the engine's first-to-last-token time and ``ttft_s`` its queue
+    plus prefill time; ``clock`` says which clock timed the row, ``clock_disagreement`` the client's decode window
+    over the engine's, less 1 (negative: the first chunk came late and the client saw a shorter decode).
+    """
+    frame["client_ttft_s"] = frame["ttft_s"].astype(float)
+    frame["client_decode_s"] = frame["decode_s"].astype(float)
+    if all(column in frame.columns for column in _CLOCK_COLUMNS):
+        wanted = (*_CLOCK_COLUMNS, "d_clock_queue_s", "d_clock_prefill_s")
+        numbers = {c: pd.to_numeric(frame[c], errors="coerce") for c in wanted if c in frame.columns}
+        own = (
+            (numbers["d_clock_requests"] == 1)
+            & (numbers["d_clock_generation_tokens"] == frame["completion_tokens"])
+            & (numbers["d_clock_decode_s"] > 0)
+        )
+        engine_decode = numbers["d_clock_decode_s"].where(own)
+        prefill = numbers.get("d_clock_prefill_s", pd.Series(math.nan, index=frame.index))
+        queue = numbers.get("d_clock_queue_s", pd.Series(0.0, index=frame.index)).fillna(0.0)
+        engine_ttft = (queue + prefill).where(own)
+    else:
+        own = pd.Series(False, index=frame.index)
+        engine_decode = engine_ttft = pd.Series(math.nan, index=frame.index)
+    frame["engine_decode_s"] = engine_decode
+    frame["engine_ttft_s"] = engine_ttft
+    frame["clock"] = ["engine" if is_own else "client" for is_own in own]
+    frame["decode_s"] = engine_decode.where(own, frame["client_decode_s"])
+    frame["ttft_s"] = engine_ttft.where(own & engine_ttft.notna(), frame["client_ttft_s"])
+    frame["clock_disagreement"] = frame["client_decode_s"] / engine_decode - 1.0
+
+
+def byte_floor_ms(manifest: dict, prompt_tokens: int) -> tuple[float, float]:
+    """A cycle's byte floor (ms) for one request of the cell, and the bandwidth (bytes/s) it assumes.
+
+    The bytes are the cost model's for the cell's checkpoint (touched weights, KV, recurrent state, the draft's
+    forwards) at the request's prompt length, read at the GPU's measured bandwidth. NaN where the device's
+    bandwidth is unknown (a CPU) or the checkpoint is not one the cost model reads.
+    """
+    cell, config = manifest["cell"], manifest.get("model_config")
+    bandwidth = costmodel.device_bandwidth((manifest.get("gpu_at_start") or {}).get("gpu_name"))
+    if bandwidth is None or not config:
+        return math.nan, math.nan
+    try:
+        spec = costmodel.model_from_hf_config(config.get("text_config", config))
+    except (KeyError, TypeError, ValueError):
+        return math.nan, bandwidth
+    arm = cell["arm"] if cell["arm"] in ("none", "mtp") else "wmtp"
+    sink, window = int(cell.get("sink") or 0), int(cell.get("window") or 0)
+    floor = step_floor_ms(spec, int(prompt_tokens), int(cell.get("k") or 0), arm, bandwidth, sink=sink, window=window)
+    return floor["step"], bandwidth
+
+
 def request_table(cell_dir: Path) -> pd.DataFrame:
     manifest = json.loads((cell_dir / MANIFEST_FILE).read_text())
     frame = pd.read_parquet(cell_dir / REQUESTS_FILE)
@@ -80,17 +142,28 @@ def request_table(cell_dir: Path) -> pd.DataFrame:
         frame["workload"] = DEFAULT_WORKLOAD
     for key, value in _cell_keys(manifest).items():
         frame[key] = value
+    apply_engine_clock(frame)
     frame["decode_tok_s"] = [
-        analysis.decode_tok_s(c, e, t)
-        for c, e, t in zip(frame["completion_tokens"], frame["e2e_s"], frame["ttft_s"], strict=True)
+        analysis.decode_rate(c, d) for c, d in zip(frame["completion_tokens"], frame["decode_s"], strict=True)
     ]
     frame["prefill_tok_s"] = [
         analysis.prefill_tok_s(p, t) for p, t in zip(frame["prompt_tokens"], frame["ttft_s"], strict=True)
     ]
+    # NVML measured the energy over the client's decode window; its mean power over the engine's decode time is
+    # the decode's energy when the two windows differ (a first chunk held back shortens the client's).
+    decode_energy = frame["energy_decode_j"].astype(float) * frame["decode_s"] / frame["client_decode_s"]
     frame["tok_per_j"] = [
         analysis.tok_per_j(c - 1, None if pd.isna(e) else float(e))
-        for c, e in zip(frame["completion_tokens"], frame["energy_decode_j"], strict=True)
+        for c, e in zip(frame["completion_tokens"], decode_energy, strict=True)
     ]
+    floors = [byte_floor_ms(manifest, int(p)) for p in frame["prompt_tokens"]]
+    frame["gpu_name"] = (manifest.get("gpu_at_start") or {}).get("gpu_name")
+    # Which code measured: the checkout's revision and the plugin's source as the engine's environment held it.
+    frame["wmtp_revision"] = manifest.get("wmtp_revision")
+    engine_versions = (manifest.get("engine") or {}).get("versions") or {}
+    frame["plugin_sha256"] = engine_versions.get("wmtp_plugin_sha256") or manifest.get("wmtp_plugin_sha256")
+    frame["floor_ms"] = [f for f, _ in floors]
+    frame["floor_bandwidth"] = [b for _, b in floors]
     frame["power_status"] = manifest.get("power_status", "unavailable")
     capacity = manifest.get("kv_cache") or {}
     frame["kv_cache_tokens"] = capacity.get("kv_cache_tokens")
@@ -151,30 +224,59 @@ def exclusion_reason(
     step_floor_s: float,
     counters: dict[str, float] | None = None,
     k: float | None = None,
+    cycle_ms: float = math.nan,
+    byte_floor: float = math.nan,
 ) -> str:
-    """Why a request's numbers are physically impossible, or '' when they are not."""
+    """Why a request's numbers are physically impossible, or '' when they are not.
+
+    ``cycle_ms`` is the request's verify cycle and ``byte_floor`` the least time its bytes take at the device's
+    bandwidth (NaN where unknown): a cycle below it did not happen as timed.
+    """
     if completion_tokens < 2:
         return "no decode window (fewer than 2 tokens)"
     if not decode_s > 0:
         return "zero-length decode window"
     if decode_s / (completion_tokens - 1) < step_floor_s:
         return f"decode step {1e3 * decode_s / (completion_tokens - 1):.3g} ms < floor {1e3 * step_floor_s:.3g} ms"
+    if cycle_ms < byte_floor:
+        return f"cycle {cycle_ms:.3g} ms below its byte floor {byte_floor:.3g} ms"
     return counter_impossibility(counters or {}, k)
+
+
+def request_cycle_ms(frame: pd.DataFrame) -> pd.Series:
+    """Each request's verify cycle (ms): its decode window over its cycles, the tokens after the first over its
+    tokens per verify (1 without a draft, or where the cell did not count per request)."""
+    tokens_per_cycle = pd.Series(1.0, index=frame.index)
+    if "req_tok_per_verify" in frame.columns:
+        tokens_per_cycle = pd.to_numeric(frame["req_tok_per_verify"], errors="coerce").fillna(1.0)
+    return pd.Series(
+        [
+            analysis.cycle_ms(t, analysis.decode_rate(int(c), float(d)))
+            for t, c, d in zip(tokens_per_cycle, frame["completion_tokens"], frame["decode_s"], strict=True)
+        ],
+        index=frame.index,
+        dtype=float,
+    )
 
 
 def screen_requests(frame: pd.DataFrame) -> pd.DataFrame:
     """Flags impossible requests (``excluded``, ``exclusion``) and blanks their derived rates.
 
     The floor is the engine's own median decode step at the cell's shortest rung (every workload) divided by
-    STEP_FLOOR_FACTOR. Excluded requests stay in the table, so the report can count and list them.
+    STEP_FLOOR_FACTOR; where the table has a byte floor per request (``floor_ms``), a cycle below it is screened
+    too. Excluded requests stay in the table, so the report can count and list them.
     """
     frame = frame.copy()
     step = frame["decode_s"] / (frame["completion_tokens"] - 1).where(frame["completion_tokens"] > 1)
     shortest = frame["rung"] == frame["rung"].min()
     medians = step[shortest & (step > 0)].median()
     floor = medians / STEP_FLOOR_FACTOR if pd.notna(medians) else 0.0
-    delta_columns = [c for c in frame.columns if str(c).startswith("d_")]
+    delta_columns = [c for c in frame.columns if str(c).startswith("d_") and not str(c).startswith("d_clock_")]
     ks = frame["k"] if "k" in frame.columns else pd.Series(math.nan, index=frame.index)
+    frame["request_cycle_ms"] = request_cycle_ms(frame)
+    if "floor_ms" in frame.columns:
+        frame["over_floor"] = frame["request_cycle_ms"] / frame["floor_ms"]
+    byte_floors = frame["floor_ms"] if "floor_ms" in frame.columns else pd.Series(math.nan, index=frame.index)
     frame["exclusion"] = [
         exclusion_reason(
             int(c),
@@ -182,8 +284,18 @@ def screen_requests(frame: pd.DataFrame) -> pd.DataFrame:
             floor,
             {name: float(row[name]) for name in delta_columns},
             None if pd.isna(k) else float(k),
+            cycle_ms=float(cycle),
+            byte_floor=float(byte_floor),
         )
-        for c, d, k, (_, row) in zip(frame["completion_tokens"], frame["decode_s"], ks, frame.iterrows(), strict=True)
+        for c, d, k, cycle, byte_floor, (_, row) in zip(
+            frame["completion_tokens"],
+            frame["decode_s"],
+            ks,
+            frame["request_cycle_ms"],
+            byte_floors,
+            frame.iterrows(),
+            strict=True,
+        )
     ]
     frame["excluded"] = frame["exclusion"] != ""
     # A burst (the whole stream read at once) also makes its first token late: its TTFT goes with its rates.

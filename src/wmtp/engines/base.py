@@ -46,6 +46,10 @@ class EngineAdapter(ABC):
     request_extra: ClassVar[Mapping[str, Any] | None] = None
     # Environment variables that must point into the cell's own directories, never a shared default.
     cache_env: ClassVar[tuple[str, ...]] = ()
+    # The counter of ``read_counters`` that counts finished requests on the engine's own clock, where the engine
+    # keeps one: a snapshot after a request waits until it has moved, since the engine may record a request's
+    # figures after its stream has ended. None: the engine keeps no per-request clock on its server.
+    finished_requests_counter: ClassVar[str | None] = None
 
     @abstractmethod
     def serve_argv(self, request: ServeRequest) -> list[str]:

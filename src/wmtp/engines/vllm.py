@@ -25,6 +25,20 @@ SPEC_COUNTERS = {
 }
 PER_POSITION_COUNTER = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
+# The engine's own clock: EngineCore stamps each request when it is queued, scheduled, and when it emits its first
+# and last token (vllm/v1/metrics/stats.py), and /metrics sums them into per-request histograms when a request
+# finishes. Decode = last token − first token, prefill = first token − scheduled, queue = scheduled − queued; none
+# of them waits on the API server's output loop, which can hold a stream's first chunk back for many steps.
+CLOCK_HISTOGRAMS = {
+    "vllm:request_decode_time_seconds_sum": "clock_decode_s",
+    "vllm:request_decode_time_seconds_count": "clock_requests",
+    "vllm:request_prefill_time_seconds_sum": "clock_prefill_s",
+    "vllm:request_queue_time_seconds_sum": "clock_queue_s",
+    "vllm:request_generation_tokens_sum": "clock_generation_tokens",
+}
+# Counted when a request finishes; the after-snapshot of a request waits until it has moved.
+FINISHED_REQUESTS = "clock_requests"
+
 
 def speculative_config(arm: str, k: int) -> dict | None:
     if arm == "none":
@@ -181,6 +195,17 @@ def spec_counters(text: str) -> dict[str, float]:
     return dict(totals)
 
 
+def engine_clock(text: str) -> dict[str, float]:
+    """The engine's per-request clock sums from /metrics text, summed across ``engine`` labels (short names,
+    :data:`CLOCK_HISTOGRAMS`); empty where the server exposes none of them."""
+    totals: dict[str, float] = {}
+    for (name, _labels), value in parse_samples(text, "vllm:request_").items():
+        if name in CLOCK_HISTOGRAMS:
+            short = CLOCK_HISTOGRAMS[name]
+            totals[short] = totals.get(short, 0.0) + value
+    return totals
+
+
 def fetch_metrics(base_url: str, timeout_s: float = 30.0) -> str:
     import httpx
 
@@ -190,8 +215,10 @@ def fetch_metrics(base_url: str, timeout_s: float = 30.0) -> str:
 
 
 def read_counters(base_url: str) -> dict[str, float]:
-    """Cumulative spec-decode counters of a running server (short names, see :func:`spec_counters`)."""
-    return spec_counters(fetch_metrics(base_url))
+    """Cumulative spec-decode counters and the engine's clock sums of a running server (short names, see
+    :func:`spec_counters` and :func:`engine_clock`)."""
+    text = fetch_metrics(base_url)
+    return {**spec_counters(text), **engine_clock(text)}
 
 
 VERSION_PROBE = (
@@ -205,6 +232,8 @@ VERSION_PROBE = (
     "    info['hook_points'] = check_hook_points()\n"
     "except HookPointError as err:\n"
     "    info['hook_points_refused'] = str(err)\n"
+    "from wmtp.plugin import source_sha256\n"
+    "info['wmtp_plugin_sha256'] = source_sha256()\n"
     "eps = [ep.name for ep in md.entry_points(group='vllm.general_plugins')]\n"
     "info['general_plugins'] = eps\n"
     "assert 'wmtp' in eps, f'wmtp plugin entry point missing from vllm.general_plugins: {eps}'\n"
@@ -222,6 +251,7 @@ class VLLMAdapter(EngineAdapter):
     version_probe = VERSION_PROBE
     cache_env = ("VLLM_CACHE_ROOT",)
     request_extra = REQUEST_EXTRA
+    finished_requests_counter = FINISHED_REQUESTS
 
     def serve_argv(self, request: ServeRequest) -> list[str]:
         return serve_argv(request)

@@ -38,6 +38,7 @@ from wmtp.measure.lock import device_key, device_lock
 from wmtp.measure.power import EnergyWindow, PowerMeter, open_meter
 from wmtp.measure.server import PortTaken, ServerProcess, free_port
 from wmtp.measure.workload import PromptFactory, PromptTask, chat_settings, copied_tokens, workload_task
+from wmtp.plugin import source_sha256
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,13 @@ class Interrupted(RuntimeError):
     pass
 
 
+REVISION_ENV = "WMTP_REVISION"
+
+
 def git_revision() -> str | None:
+    """The checkout's commit (``-dirty`` with changes to tracked files); where it has no git history (a copy of
+    the working tree on a GPU machine), what ``$WMTP_REVISION`` says, marked as told."""
+    told = os.environ.get(REVISION_ENV)
     try:
         out = subprocess.run(
             ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
@@ -64,7 +71,7 @@ def git_revision() -> str | None:
         ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return None
+        return f"{told} (told)" if told else None
 
 
 @dataclass
@@ -121,7 +128,38 @@ def _request_row(
         "top2_gap": [_top2_gap(top) for top in result.top_logprobs] or None,
         "chunk_gaps_ms": result.chunk_gaps_ms or None,
         "chunk_new_tokens": result.chunk_new_tokens or None,
+        # The tokens the first chunk carried (where usage came on every chunk): more than one means the stream's
+        # first chunk was held back while the engine decoded.
+        "first_chunk_tokens": result.chunk_tokens[0] if result.chunk_tokens else None,
     }
+
+
+# How long a snapshot after a request waits for the engine to count it as finished (it records a request's clock
+# just after the stream's last chunk; milliseconds in practice).
+SETTLE_TIMEOUT_S = 10.0
+SETTLE_POLL_S = 0.02
+
+
+def settled_counters(
+    engine: EngineAdapter, base_url: str, before: Mapping[str, float], finished: int
+) -> dict[str, float]:
+    """The engine's counters once ``finished`` more requests than in ``before`` have been counted as finished.
+
+    Without a finished-requests counter (or with no snapshot before) it is one read. After SETTLE_TIMEOUT_S it
+    returns what it has, and the request's clock columns show the shortfall.
+    """
+    key = engine.finished_requests_counter
+    after = engine.read_counters(base_url)
+    if key is None or key not in before:
+        return after
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while after.get(key, 0.0) - before[key] < finished and time.monotonic() < deadline:
+        time.sleep(SETTLE_POLL_S)
+        after = engine.read_counters(base_url)
+    counted = after.get(key, 0.0) - before[key]
+    if counted < finished:
+        log.warning("the engine counted %g of %d finished request(s) after %.0f s", counted, finished, SETTLE_TIMEOUT_S)
+    return after
 
 
 def _top2_gap(top: dict[int, float]) -> float:
@@ -220,7 +258,7 @@ def _measure(
             copied_tokens(count_tokens, result.text, task.continuation) if count_tokens is not None else None
         )
     if per_request_counters and counters_before:
-        after = engine.read_counters(base_url)
+        after = settled_counters(engine, base_url, counters_before, len(prompts))
         # Raw differences, negative ones included: a counter that went backwards is screened out downstream.
         rows[0].update({f"d_{k}": after.get(k, 0.0) - counters_before.get(k, 0.0) for k in sorted(set(after))})
     return rows
@@ -279,7 +317,7 @@ def _sweep_rung(
         )
     if meter.available:
         run.windows.append(meter.end_window(rung_window))
-    after = engine.read_counters(base_url)
+    after = settled_counters(engine, base_url, before, repeats * run.cell.concurrency)
     t_after = time.time()
     measured = [r for r in run.rows if r["rung"] == rung and r["workload"] == workload and not r["warmup"]]
     from_requests = engine.counters_from_requests(measured, run.cell.arm, run.cell.k)
@@ -569,6 +607,8 @@ def run_cell(run: CellRun) -> Path:
         "identity": identity,
         "identity_hash": identity_hash(identity),
         "wmtp_revision": git_revision(),
+        # The plugin's source as this process sees it, and as the engine's environment imports it (its build).
+        "wmtp_plugin_sha256": source_sha256(),
         "engine": {
             k: run.engine_manifest.get(k) for k in ("engine", "kind", "source", "python", "versions", "spec_hash")
         },

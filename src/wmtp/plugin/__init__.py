@@ -13,8 +13,10 @@ to the cell (``wmtp.plugin.stats``).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.abc
 import sys
+from pathlib import Path
 from types import ModuleType
 
 from wmtp.plugin.hookpoints import PROPOSER_MODULE, V2_RUNNER_MODULE
@@ -23,6 +25,15 @@ from wmtp.plugin.hookpoints import PROPOSER_MODULE, V2_RUNNER_MODULE
 PATCHED_MODULES = (PROPOSER_MODULE, V2_RUNNER_MODULE)
 
 _registered = False
+
+
+def source_sha256() -> str:
+    """A hash of the plugin's own source files (16 hex digits): names the code a server ran, beside the revision,
+    also where the checkout carried no git history or had changes."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def _on_import(module: ModuleType) -> None:

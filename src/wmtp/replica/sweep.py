@@ -2,7 +2,7 @@
 
 Each step is captured whole in one CUDA graph and replayed; components are timed as their own
 graphs behind an L2 scrub, minus the scrub alone.  Every step and component is written next to its
-bytes/bandwidth floor (:mod:`wmtp.replica.floor`) at the copy bandwidth measured in the same run.
+bytes/bandwidth floor (:mod:`wmtp.analyze.floor`) at the copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from wmtp.analyze import costmodel as cm
+from wmtp.analyze import floor as fl
 from wmtp.analyze.analysis import cost_side_ratio
-from wmtp.replica import floor as fl
 from wmtp.replica.kernels import (
     HAVE_TRITON,
     AttnLaunch,

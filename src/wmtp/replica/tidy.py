@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wmtp.analyze import costmodel as cm
+from wmtp.analyze import floor as fl
 from wmtp.analyze.analysis import cost_side_ratio
-from wmtp.replica import floor as fl
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -16,9 +16,10 @@
 # not run again, so the same command, run again, goes on where the last one stopped. Every run ends by collecting
 # what is there and writing the step file.
 #
-# Usage: OUT=/path bash scripts/device/h200_cells.sh [--arms "none mtp wmtp"] [--k "1 3 5"]
+# Usage: OUT=/path bash scripts/device/h200_cells.sh [--arms "none mtp wmtp"] [--k "1 3 5"] [--windows "4096"]
 #                                                    [--rungs "1048576 524288 131072"] [--pieces N] [--budget-s S]
 #                                                    [--together]
+#   --windows "W"  of the windowed cells, only those with these W (default: every W of the study)
 #   --pieces N     run at most N pieces that are not there yet (default 1); 0 only collects (no engine needed)
 #   --budget-s S   start no piece after S seconds of this run (default 0: no limit)
 #   --together     a piece is one cell over all its missing rungs of --rungs, in one server
@@ -39,7 +40,7 @@ engine_manifest=results/engines/vllm/manifest.json
 cache=results/engines/vllm/cache
 carried_cache=.gpu-inputs/compile-cache.tar.gz
 cache_limit=$((15 * 1024 * 1024))  # what one file back from the H200 may weigh, with room
-arms="none mtp wmtp" ks="1 3 5" rungs="" pieces=1 budget=0 plan=0 together=0
+arms="none mtp wmtp" ks="1 3 5" windows="" rungs="" pieces=1 budget=0 plan=0 together=0
 py=python3
 
 die() { echo "h200_cells: ERROR: $*" >&2; exit 1; }
@@ -49,6 +50,7 @@ while [ $# -gt 0 ]; do
   case $1 in
     --arms) arms=$2; shift ;;
     --k) ks=$2; shift ;;
+    --windows) windows=$2; shift ;;
     --rungs) rungs=$2; shift ;;
     --pieces) pieces=$2; shift ;;
     --budget-s) budget=$2; shift ;;
@@ -72,8 +74,10 @@ cells=()
 while read -r cell; do
   arm=$(sed -n 's|.*/arm~\([^/]*\)/.*|\1|p' <<<"$cell")
   k=$(sed -n 's|.*/k~\([0-9]*\)/.*|\1|p' <<<"$cell")
+  w=$(sed -n 's|.*/w~\([0-9]*\)/.*|\1|p' <<<"$cell")
   [[ " $arms " == *" $arm "* ]] || continue
   [ -z "$k" ] || [[ " $ks " == *" $k "* ]] || continue
+  [ -z "$w" ] || [ -z "$windows" ] || [[ " $windows " == *" $w "* ]] || continue
   cells+=("$cell")
 done < <(sed -n 's/^  \(model~[^ ]*\)$/\1/p' "$OUT/check-config.txt")
 [ -n "$rungs" ] || rungs=$($py -c "from wmtp.config import load_study; print(*load_study('$study').protocol.rungs)")
@@ -220,7 +224,9 @@ import json, sys
 print("\n".join(sorted({json.load(open(f))["engine"]["versions"].get("vllm", "?") for f in sys.argv[1:]})))' {} +)
   [ "$(wc -l <<<"$version")" -eq 1 ] || die "the pieces ran different vLLM releases: $version"
   $py -m wmtp step-table --tidy "${tidy_dirs[@]}" --engine-version "$version" --out "$OUT/vllm_$model.csv" &&
-    cut -d, -f2,3,6,8,11,19 "$OUT/vllm_$model.csv"  # arm, k, context, step_ms, n, ttft_s
+    $py -c 'import sys, pandas as pd; pd.set_option("display.width", 250)
+columns = ["arm", "W", "context", "step_ms", "server_step_ms", "n", "clock", "client_step_ms", "over_floor", "ttft_s"]
+print(pd.read_csv(sys.argv[1])[columns].to_string(index=False))' "$OUT/vllm_$model.csv"
 fi
 [ -d "$raw_root" ] && tar czf "$OUT/raw.tar.gz" "$raw_root"
 # Triton's kernels alone come back (the GDN kernels' JIT is the longest part of a cold start); vLLM's torch.compile

@@ -89,7 +89,8 @@ have() {  # have CELL RUNG: a piece holding that rung of that cell has its raw f
   local dir group
   for dir in "$raw_root"/rung~*/"$1" "$raw_root"/rungs~*/"$1"; do
     [ -f "$dir/manifest.json" ] || continue
-    group=$(basename "$(dirname "$dir")")
+    group=${dir#"$raw_root"/}
+    group=${group%%/*}
     [[ "-${group#*~}-" == *"-$2-"* ]] && return 0
   done
   return 1

@@ -151,10 +151,10 @@ def request_table(cell_dir: Path) -> pd.DataFrame:
     ]
     # NVML measured the energy over the client's decode window; its mean power over the engine's decode time is
     # the decode's energy when the two windows differ (a first chunk held back shortens the client's).
-    decode_energy = frame["energy_decode_j"].astype(float) * frame["decode_s"] / frame["client_decode_s"]
+    frame["decode_energy_j"] = frame["energy_decode_j"].astype(float) * frame["decode_s"] / frame["client_decode_s"]
     frame["tok_per_j"] = [
         analysis.tok_per_j(c - 1, None if pd.isna(e) else float(e))
-        for c, e in zip(frame["completion_tokens"], decode_energy, strict=True)
+        for c, e in zip(frame["completion_tokens"], frame["decode_energy_j"], strict=True)
     ]
     floors = [byte_floor_ms(manifest, int(p)) for p in frame["prompt_tokens"]]
     frame["gpu_name"] = (manifest.get("gpu_at_start") or {}).get("gpu_name")
@@ -337,7 +337,7 @@ def rung_table(requests: pd.DataFrame, deltas: pd.DataFrame) -> pd.DataFrame:
         )
         decode = float(group["decode_tok_s"].median())
         tpv = 1.0 if row["arm"] == "none" else analysis.tok_per_verify(d_accepted, d_drafts)
-        energy = _sum_or_nan(group["energy_decode_j"])
+        energy = _sum_or_nan(group["decode_energy_j"] if "decode_energy_j" in group else group["energy_decode_j"])
         window_s = _sum_or_nan(group["decode_s"])
         generated = float((group["completion_tokens"] - 1).sum())
         row.update(

@@ -55,9 +55,11 @@ REVISION_ENV = "WMTP_REVISION"
 
 
 def git_revision() -> str | None:
-    """The checkout's commit (``-dirty`` with changes to tracked files); where it has no git history (a copy of
-    the working tree on a GPU machine), what ``$WMTP_REVISION`` says, marked as told."""
+    """The checkout's commit (``-dirty`` with changes to tracked files), or what ``$WMTP_REVISION`` says, marked as
+    told: a copy of the working tree on another machine may carry no history, or a stale one."""
     told = os.environ.get(REVISION_ENV)
+    if told:
+        return f"{told} (told)"
     try:
         out = subprocess.run(
             ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
@@ -71,7 +73,7 @@ def git_revision() -> str | None:
         ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return f"{told} (told)" if told else None
+        return None
 
 
 @dataclass

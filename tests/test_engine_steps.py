@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _step(arm: str, k: int, context: int, step_ms: float, n: int = 3, **extra) -> dict:
+    window = {"S": 16, "W": 4096} if arm == "wmtp" else {}
     return {"engine_version": "0.24.0", "arm": arm, "k": k, "context": context, "batch": 1, "step_ms": step_ms,
-            "n": n, **extra}  # fmt: skip
+            "n": n, **window, **extra}  # fmt: skip
 
 
 def _write(tmp_path: Path, rows: list[dict], model: str = "qwen3.6-35b-a3b") -> Path:
@@ -62,19 +63,38 @@ def test_one_row_per_context_and_k_with_the_replica_at_the_same_shape(tmp_path):
     assert longer["n none/mtp/wmtp"] == "0/2/2"
 
 
+def test_the_ratio_carries_its_range_over_servers_and_the_window_off_control_its_own_column(tmp_path):
+    rows = [
+        _step("none", 0, 131072, 5.0, servers=2, server_step_ms="5.0;5.0"),
+        _step("mtp", 3, 131072, 10.0, servers=3, server_step_ms="9.5;10.0;11.0"),
+        _step("wmtp", 3, 131072, 9.0, servers=3, server_step_ms="8.0;9.0;10.0"),
+        _step("wmtp", 3, 131072, 10.5, W=1048576, servers=1, server_step_ms="10.5"),
+    ]
+    frame = engine_step_section(load_engine_steps([_write(tmp_path, rows)]), None).frame
+    row = frame.iloc[0]
+    assert row["wmtp (ms)"] == 9.0 and row["wmtp, window off (ms)"] == 10.5
+    assert (row["ratio_lo"], row["ratio_hi"]) == pytest.approx((9.5 / 10.0, 11.0 / 8.0))
+    assert row["mtp / wmtp [range over servers]"] == "1.11 [0.95, 1.38], not resolved"
+    assert row["servers none/mtp/wmtp"] == "2/3/3"
+
+
 def test_nothing_to_show_without_a_step_file():
     assert not engine_step_section(None, None).available
     assert load_engine_steps([]) is None
 
 
-def test_the_committed_h200_steps_reach_every_context_with_all_three_arms():
-    """The real-engine file as committed: none, mtp and wmtp at each context, the window applied in every wmtp row."""
+def test_the_committed_h200_steps_are_the_engines_clock_over_several_servers():
+    """The real-engine file as committed: none, mtp and wmtp at each context, timed by the engine's clock, mtp and
+    wmtp from at least three servers, every cycle above its byte floor, the window applied in every wmtp row."""
     path = ROOT / "measurements" / "h200" / "vllm_qwen3.6-35b-a3b.csv"
     steps = load_engine_steps([path])
+    assert (steps["clock"] == "engine").all() and (steps["over_floor"] > 1).all()
     frame = engine_step_section(steps, None).frame
-    assert len(frame) >= 3 and frame["tokens"].max() >= 524288
+    assert len(frame) >= 1 and frame["tokens"].min() == 131072 and (frame["clock"] == "engine").all()
     assert frame["none (ms)"].notna().all() and (frame["windowed draft forwards (server)"] > 0).all()
-    assert ((frame["engine mtp / wmtp"] > 0.5) & (frame["engine mtp / wmtp"] < 2.0)).all()
+    assert all(int(s.split("/")[1]) >= 3 and int(s.split("/")[2]) >= 3 for s in frame["servers none/mtp/wmtp"])
+    assert (frame["ratio_lo"] <= frame["engine mtp / wmtp"]).all()
+    assert (frame["engine mtp / wmtp"] <= frame["ratio_hi"]).all()
 
 
 def test_a_replica_table_from_before_the_batch_sweep_is_read_as_one_request(tmp_path):

@@ -206,6 +206,12 @@ def run(prompts_file: Path, out_dir: Path) -> int:
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0),
     }
+    from wmtp.measure.cell import git_revision
+    from wmtp.plugin import source_sha256
+
+    # Which code the proofs are of: the commit, and the plugin's source as this process imported it.
+    found["wmtp_revision"] = git_revision()
+    found["wmtp_plugin_sha256"] = source_sha256()
     found["passed"] = all(proofs.values())
     found["outputs"] = outputs
     (out_dir / "gpu_proofs.json").write_text(json.dumps(found, indent=1))

@@ -65,11 +65,15 @@ def test_ring_arm_on_a_vllm_engine_with_prefix_caching_is_refused(embedded_raw):
     )
 
 
-def test_ring_arm_on_sglang_alone_is_left_to_the_sglang_adapter(embedded_raw):
-    # wmtp.engines.sglang.check_cell refuses it per cell, with SGLang's own reason.
+def test_ring_arm_on_sglang_is_refused_before_anything_runs(embedded_raw):
     embedded_raw["engines"] = [SGLANG]
     embedded_raw["arms"] = [{"name": "wmtp-ring", "k": [3], "sink": [16], "window": [256]}]
-    assert [c.arm for c in study_from_dict(embedded_raw).cells()] == ["wmtp-ring"]
+    refused(embedded_raw, "config: arms[0].name 'wmtp-ring' cannot run on engines[0]", "SGLang engine has none")
+
+
+def test_a_window_shorter_than_its_sink_is_refused(embedded_raw):
+    embedded_raw["arms"][2].update(sink=[16, 512], window=[256])
+    refused(embedded_raw, "config: arms[2].window[0] = 256 is smaller than arms[2].sink[1] = 512")
 
 
 # --- room for the last draft ----------------------------------------------------------------------------
@@ -269,7 +273,8 @@ def test_a_window_that_covers_every_token_warns_and_runs(embedded_raw, caplog):
     assert len(study.cells()) == 6
     want = (
         "config: arms[2].sink[0] = 16 plus arms[2].window[2] = 16432 covers the longest rung 16384 plus 64 output "
-        "tokens: the draft drops nothing, so arm 'wmtp' measures the same as 'mtp'; use a window below 16432"
+        "tokens: the draft drops nothing, so arm 'wmtp' measures the same as 'mtp' (what a window-off control is for); "
+        "otherwise use a window below 16432"
     )
     assert study_warnings(study) == [want]
     assert [r.getMessage() for r in caplog.records if r.name == "wmtp.config"] == [want]
@@ -309,9 +314,10 @@ def test_serve_block_size(argv, block):
     assert serve_block_size(argv) == block
 
 
-@pytest.mark.parametrize("study_file", ["config.yaml", "studies/h200-vllm.yaml"])
-def test_shipped_studies_have_no_warnings(repo, study_file):
-    assert study_warnings(load_study(repo / "config" / study_file)) == []
+def test_shipped_studies_warn_of_nothing_but_the_window_off_control(repo):
+    assert study_warnings(load_study(repo / "config" / "config.yaml")) == []
+    warned = study_warnings(load_study(repo / "config" / "studies" / "h200-vllm.yaml"))
+    assert len(warned) == 1 and "arms[2].window[1] = 1049600" in warned[0] and "window-off control" in warned[0]
 
 
 # --- the study file itself ---------------------------------------------------------------------------
@@ -417,6 +423,7 @@ def test_allow_remote_still_needs_an_api_key(embedded_raw):
 
 
 def test_sglang_reads_no_vllm_key(embedded_raw):
+    embedded_raw["arms"] = [arm for arm in embedded_raw["arms"] if arm["name"] != "wmtp-ring"]
     embedded_raw["engines"] = [{**SGLANG, "allow_remote": True, "env": {"VLLM_API_KEY": "s3cret"}}]
     embedded_raw["engines"][0]["serve_args"] = ["--host", "0.0.0.0"]
     refused(embedded_raw, "has no API key", "give --api-key in serve_args")

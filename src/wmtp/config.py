@@ -479,6 +479,13 @@ def _check_arm(i: int, arm: Mapping[str, Any]) -> None:
         for j, value in enumerate(arm[key]):
             if value < least:
                 raise ConfigError(f"config: arms[{i}].{key}[{j}] must be ≥ {least} (got {value})")
+    for a, sink in enumerate(arm["sink"]):
+        for b, window in enumerate(arm["window"]):
+            if window < sink:
+                raise ConfigError(
+                    f"config: arms[{i}].window[{b}] = {window} is smaller than arms[{i}].sink[{a}] = {sink}: the "
+                    "window is the recent context the draft reads beside the sink, so it must be at least as long"
+                )
 
 
 def _check_arms_distinct(arms: list[Mapping[str, Any]]) -> None:
@@ -570,6 +577,11 @@ def _check_ring(
         return
     i = next(i for i, arm in enumerate(arms) if arm["name"] == "wmtp-ring")
     for j, engine in enumerate(engines):
+        if engine["kind"] == "sglang":
+            raise ConfigError(
+                f"config: arms[{i}].name 'wmtp-ring' cannot run on engines[{j}] {engine['name']!r}: the draft's ring "
+                "is wmtp's vLLM plugin, and the SGLang engine has none; run wmtp-ring on a vllm engine, or wmtp here"
+            )
         if engine["kind"] != "vllm":
             continue
         for m, model in enumerate(models):
@@ -783,7 +795,8 @@ def study_warnings(study: Study) -> list[str]:
                     out.append(
                         f"config: arms[{i}].sink[{a}] = {sink} plus arms[{i}].window[{b}] = {window} covers the "
                         f"longest rung {longest} plus {output} output tokens: the draft drops nothing, so arm "
-                        f"{arm.name!r} measures the same as 'mtp'; use a window below {longest + output - sink}"
+                        f"{arm.name!r} measures the same as 'mtp' (what a window-off control is for); otherwise use "
+                        f"a window below {longest + output - sink}"
                     )
     out.extend(_block_rounding_warnings(study))
     return out

@@ -14,11 +14,13 @@ from wmtp.model.hub import DOWNLOAD_MANIFEST
 from wmtp.measure.identity import cell_identity, cell_study, identity_hash
 from wmtp.engines.build import CHECKS_VERSION as ENGINE_CHECKS_VERSION
 from wmtp.engines.build import engine_python, spec_hash
+from wmtp.engines.capacity import check_weightless_fit
 
 
 validate(config, schema="../config/schemas/config.schema.yaml")
 try:
     STUDY = study_from_dict(config, base_dir=Path.cwd())
+    check_weightless_fit(STUDY)
 except ConfigError as err:
     raise WorkflowError(str(err)) from None
 

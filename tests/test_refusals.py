@@ -446,3 +446,34 @@ def test_allow_remote_is_a_boolean_and_travels_with_the_resolved_study(embedded_
     # The rules hand the cell and engine-build commands this dump; an engine left at the default dumps as before.
     assert study_from_dict(study.model_dump(mode="json", exclude_none=True)).engine("vllm-cpu").allow_remote
     assert "allow_remote" not in EngineSpec(name="e", kind="vllm").model_dump()
+
+
+# --- a weightless model on an engine that cannot hold it ---------------------------------------------
+
+
+def _dummy_on_cpu(raw: dict) -> dict:
+    raw["models"].append(
+        {"name": "big", "generate": "dummy", "architecture": "qwen3.6-35b-a3b", "max_model_len": 32768,
+         "serve_args": ["--load-format", "dummy"]}
+    )  # fmt: skip
+    return raw
+
+
+def test_a_weightless_gpu_shape_on_a_cpu_engine_is_refused_by_its_bytes(embedded_raw):
+    from wmtp.engines.capacity import check_weightless_fit, weightless_bytes
+
+    study = study_from_dict(_dummy_on_cpu(embedded_raw))
+    # the 35B shape in bf16: about 66 GiB of weights, whatever memory the machine has
+    assert 60 * 2**30 < weightless_bytes("qwen3.6-35b-a3b") < 75 * 2**30
+    with pytest.raises(ConfigError, match=r"models\[1\] 'big' .* allocates 6\d GiB .* engine 'vllm-cpu'"):
+        check_weightless_fit(study, memory_bytes=24 * 2**30)
+    check_weightless_fit(study, memory_bytes=512 * 2**30)  # a machine that holds it
+
+
+def test_check_config_refuses_it_before_any_server_starts(embedded_raw, tmp_path, capsys):
+    from wmtp.cli import main
+
+    study_file = tmp_path / "big.yaml"
+    study_file.write_text(yaml.safe_dump(_dummy_on_cpu(embedded_raw)))
+    assert main(["check-config", "--config", str(study_file)]) == 2
+    assert "allocates" in capsys.readouterr().err

@@ -31,7 +31,10 @@ def _study(args: argparse.Namespace) -> Study:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from wmtp.engines.capacity import check_weightless_fit
+
     study = _study(args)
+    check_weightless_fit(study)
     cells = study.cells()
     protocol = study.protocol
     print(f"{args.config}: study {study.study!r} is valid: {len(cells)} cells")

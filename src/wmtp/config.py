@@ -479,6 +479,10 @@ def _check_arm(i: int, arm: Mapping[str, Any]) -> None:
         for j, value in enumerate(arm[key]):
             if value < least:
                 raise ConfigError(f"config: arms[{i}].{key}[{j}] must be ≥ {least} (got {value})")
+    _check_window_holds_sink(i, arm)
+
+
+def _check_window_holds_sink(i: int, arm: Mapping[str, Any]) -> None:
     for a, sink in enumerate(arm["sink"]):
         for b, window in enumerate(arm["window"]):
             if window < sink:

@@ -17,10 +17,6 @@ $(VENV)/.installed: pyproject.toml
 
 run: $(VENV)/.installed
 	$(VENV)/bin/snakemake
-	@# Snakemake 9.27 stops after a job it reran only because its rule or parameters changed when other jobs read
-	@# that job's output as ancient() (the engine's re-check after an upgrade): this pass runs what is left, and
-	@# says "Nothing to be done" otherwise.
-	$(VENV)/bin/snakemake
 	@echo
 	@echo "report: $(CURDIR)/results/embedded/report/index.html"
 

@@ -15,8 +15,8 @@ rule admission:
         py=PY,
         # Everything the proof depends on besides the engine's build and the model's files: a change reruns it.
         engine_env=lambda wc: json.dumps(STUDY.engine(wc.engine).env, sort_keys=True),
-        # The engine input is ancient() (a re-check is no rebuild): its spec's hash reruns the proof on a new build.
-        engine_hash=lambda wc: engine_hash(wc.engine),
+        # The engine's build: a proof is refused on a build of another spec.
+        engine_hash=lambda wc: engine_build_hash(wc.engine),
         model_dir=lambda wc: STUDY.model_dir(wc.model),
         proof=lambda wc: admission_settings(wc.model, wc.engine),
     resources:

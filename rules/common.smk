@@ -13,7 +13,7 @@ from wmtp.config import ConfigError, architecture_file, resolved_study_json, stu
 from wmtp.model.hub import DOWNLOAD_MANIFEST
 from wmtp.measure.identity import cell_identity, cell_study, identity_hash
 from wmtp.engines.build import CHECKS_VERSION as ENGINE_CHECKS_VERSION
-from wmtp.engines.build import engine_python, spec_hash
+from wmtp.engines.build import build_hash, build_spec, engine_python, spec_hash
 from wmtp.engines.capacity import check_weightless_fit
 
 
@@ -56,8 +56,10 @@ def engine_manifest(engine_name):
 
 
 def engine_input(engine_name):
-    """An engine as a job input: rebuilt only when its spec changes (see engine_hash), not on a re-check."""
-    return ancient(engine_manifest(engine_name))
+    """An engine as a job input. Not ancient(): Snakemake 9.27 drops the jobs downstream of an ancient() input whose
+    producer reruns, and exits 0 having run only that producer. The engine's manifest changes only when its build
+    spec or its self-check does, and then what it serves must be measured again."""
+    return engine_manifest(engine_name)
 
 
 def cell_identity_hash(cell_id):
@@ -82,7 +84,13 @@ def cell_study_json(cell_id):
 
 
 def engine_hash(engine_name):
+    """The engine's whole spec (serve arguments included), as a cell's identity holds it."""
     return spec_hash(STUDY.engine(engine_name))
+
+
+def engine_build_hash(engine_name):
+    """What the engine's environment was built from: the build a job checks it is given."""
+    return build_hash(STUDY.engine(engine_name))
 
 
 def engine_python_of(engine_name):

@@ -11,15 +11,16 @@ rule engine:
         ENGINES / "{engine}" / "build.snakemake.log",
     params:
         py=PY,
-        # The engine's spec alone: another change to the study leaves a built engine alone.
-        # Keys sorted: the same spec reads the same from config.yaml and from study.json.
-        spec=lambda wc: json.dumps(STUDY.engine(wc.engine).model_dump(mode="json"), sort_keys=True),
-        # A newer self-check, or windowed arms added to the study, re-checks the engine (no reinstall).
+        # What the environment is built from (the spec less its serve arguments), keys sorted so that it reads the
+        # same from config.yaml and from study.json: a change rebuilds it, or only re-checks it where the install
+        # stands; a change of serve arguments reruns the cells, never the build. Nothing else of the study enters
+        # here, so another study on the same engine finds it up to date.
+        spec=lambda wc: json.dumps(build_spec(STUDY.engine(wc.engine)), sort_keys=True),
+        # A newer self-check re-checks the engine (no reinstall) and so reruns what it serves.
         checks=ENGINE_CHECKS_VERSION,
-        windowed=lambda wc: "--windowed" if STUDY.runs_windowed(wc.engine) else "",
     localrule: True
     conda:
         "../envs/pipeline.yaml"
     shell:
         "{params.py} -m wmtp --log {log:q} engine-build "
-        "--engine {wildcards.engine:q} --engine-json {params.spec:q} --out {output:q} {params.windowed}"
+        "--engine {wildcards.engine:q} --engine-json {params.spec:q} --out {output:q}"

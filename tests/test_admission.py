@@ -211,7 +211,7 @@ def test_a_build_of_another_engine_spec_is_refused_before_the_proof_runs(tmp_pat
     from wmtp.engines.build import EngineBuildError
 
     # The interpreter does not exist: the refusal must come before anything tries to run it.
-    manifest = {"engine": "vllm-cpu", "python": str(tmp_path / "no-python"), "spec_hash": "a" * 16}
+    manifest = {"engine": "vllm-cpu", "python": str(tmp_path / "no-python"), "build_hash": "a" * 16}
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     argv = ["admission", "--model", "tiny", "--model-dir", str(tmp_path), "--engine-manifest"]
     argv += [str(tmp_path / "manifest.json"), "--proof", json.dumps({"sink": 16, "window": 256, "k": 3})]

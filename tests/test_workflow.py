@@ -78,7 +78,8 @@ def test_h200_study_dry_run(tmp_path):
     out = run("-n", "--configfile", "config/studies/h200-vllm.yaml", *scratch_dirs(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     jobs = job_counts(out.stdout)
-    assert jobs["dummy_model"] == 1 and jobs["engine"] == 1 and jobs["cell"] == 7
+    # none, mtp, wmtp and the window-off control, three servers each
+    assert jobs["dummy_model"] == 1 and jobs["engine"] == 1 and jobs["cell"] == 12
     assert jobs["collect"] == 1 and jobs["report"] == 1
     assert "tiny_model" not in jobs and "trained_model" not in jobs
     assert re.search(r"-m wmtp\.model\.dummy --architecture \S*/config/models/qwen3\.6-35b-a3b\.json ", out.stdout)

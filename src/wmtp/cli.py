@@ -113,13 +113,13 @@ def cmd_step_table(args: argparse.Namespace) -> int:
 
 
 def cmd_admission(args: argparse.Namespace) -> int:
-    from wmtp.engines.build import check_built_as
+    from wmtp.engines.build import check_build_hash
     from wmtp.measure.admission import run_in_engine
 
     proof = json.loads(args.proof)
     engine_manifest = json.loads(Path(args.engine_manifest).read_text())
     if args.engine_hash is not None:
-        check_built_as(engine_manifest, args.engine_hash)
+        check_build_hash(engine_manifest, args.engine_hash)
     model_dir, out = Path(args.model_dir), Path(args.out)
     measured = out.with_name(out.name + ".engine")
     engine_log = Path(args.engine_log) if args.engine_log else out.with_name(out.name + ".log")
@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", required=True)
     p.add_argument("--engine-env", default="{}", help="the engine's environment variables as one JSON object")
     p.add_argument("--engine-manifest", required=True)
-    p.add_argument("--engine-hash", help="the spec hash the study gives the engine: a build of another is refused")
+    p.add_argument("--engine-hash", help="the build hash the study gives the engine: a build of another is refused")
     p.add_argument(
         "--proof", required=True, help='{"sink": S, "window": W, "k": K, "max_model_len": L} of the ring cell'
     )

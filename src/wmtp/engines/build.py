@@ -30,22 +30,47 @@ class EngineBuildError(RuntimeError):
 
 
 def spec_hash(spec: EngineSpec) -> str:
+    """The whole engine spec as a hash: part of every cell's identity, so any change to it reruns the cells."""
+    return _hash(spec.model_dump(mode="json"), spec)
+
+
+# What only shapes how a server is started, never what is installed: a change reruns the cells, not the build.
+SERVE_ONLY_KEYS = ("serve_args", "allow_remote")
+
+
+def build_spec(spec: EngineSpec) -> dict:
+    """The spec less its serve-only keys: what an engine's environment is built and checked from."""
+    return {k: v for k, v in spec.model_dump(mode="json").items() if k not in SERVE_ONLY_KEYS}
+
+
+def build_hash(spec: EngineSpec) -> str:
+    """The hash of :func:`build_spec`: an engine environment is rebuilt (or re-checked) only when it changes."""
+    return _hash(build_spec(spec), spec)
+
+
+def _hash(payload: dict, spec: EngineSpec) -> str:
     constraints = (REPO_ROOT / spec.constraints).read_text() if spec.constraints else ""
-    payload = json.dumps(
-        {"spec": spec.model_dump(mode="json"), "wmtp_src": str(REPO_ROOT), "constraints": constraints}, sort_keys=True
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+    text = json.dumps({"spec": payload, "wmtp_src": str(REPO_ROOT), "constraints": constraints}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def check_built_as(manifest: dict, expected_hash: str) -> None:
-    """Refuse an engine build whose manifest was written for another spec than the study's (a build left over
+def check_built_as(manifest: dict, spec: EngineSpec) -> None:
+    """Refuse an engine build whose manifest was written for another build spec than the study's (a build left over
     from an earlier study file, its record of why it would rebuild lost): measuring with it would file its
-    numbers under the study's engine."""
-    built = manifest.get("spec_hash")
-    if built != expected_hash:
+    numbers under the study's engine. Serve arguments are not part of a build."""
+    if manifest.get("build_hash") is None:  # a manifest from before build hashes: its whole spec must match
+        check_build_hash(manifest, spec_hash(spec), key="spec_hash")
+    else:
+        check_build_hash(manifest, build_hash(spec))
+
+
+def check_build_hash(manifest: dict, expected: str, key: str = "build_hash") -> None:
+    """Refuse a manifest whose recorded build hash (``key``) is not ``expected``."""
+    built = manifest.get(key)
+    if built != expected:
         raise EngineBuildError(
             f"engine {manifest.get('engine')!r} was built from spec {built}, but the study describes spec "
-            f"{expected_hash}: rebuild it (snakemake --forcerun engine) before measuring with it"
+            f"{expected}: rebuild it (snakemake --forcerun engine) before measuring with it"
         )
 
 
@@ -136,13 +161,13 @@ def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False, window
     engine_dir = engine_dir.resolve()
     engine_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = engine_dir / MANIFEST
-    want = spec_hash(spec)
+    want = build_hash(spec)
     python = engine_python(spec, engine_dir)
     if manifest_path.exists() and not force:
         old = json.loads(manifest_path.read_text())
         current = old.get("checks_version") == CHECKS_VERSION
         refused = (old.get("versions") or {}).get("hook_points_refused")
-        if old.get("spec_hash") == want and Path(python).exists() and current and not (windowed and refused):
+        if old.get("build_hash") == want and Path(python).exists() and current and not (windowed and refused):
             log.info("engine %s is up to date (%s)", spec.name, engine_dir)
             return old
     if spec.source == "container":  # nothing to install: record the image digest and self-check inside it
@@ -203,7 +228,7 @@ def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False, window
         "kind": spec.kind,
         "source": spec.source,
         "spec": spec.model_dump(mode="json"),
-        "spec_hash": want,
+        "build_hash": want,
         "python": python,
         "versions": info,
         "behaviour_check": behaviour,

@@ -312,7 +312,7 @@ def serve_command(
     )
 
 
-def engine_manifest(spec, engine_dir: Path, spec_hash: str) -> dict:
+def engine_manifest(spec, engine_dir: Path, build_hash: str) -> dict:
     """The manifest of a container engine: the image and its digest, and the self-check's answer."""
     from wmtp.engines import adapter
 
@@ -339,7 +339,7 @@ def engine_manifest(spec, engine_dir: Path, spec_hash: str) -> dict:
         "kind": spec.kind,
         "source": "container",
         "spec": spec.model_dump(mode="json"),
-        "spec_hash": spec_hash,
+        "build_hash": build_hash,
         "python": python,
         "container": {**digest, "binary": exe},
         "versions": info,

@@ -586,7 +586,7 @@ def run_cell(run: CellRun) -> Path:
     cell, study = run.cell, run.study
     identity = cell_identity(study, cell)
     check_identity(run.expected_identity, identity)
-    check_built_as(run.engine_manifest, identity["engine"])
+    check_built_as(run.engine_manifest, study.engine(cell.engine))
     if recover_staging(out_dir, identity_hash(identity)):
         return out_dir
     for name in (*layout.RAW_SUCCESS_FILES, layout.FAILURE_FILE, layout.SERVER_FAILED_LOG):
@@ -612,7 +612,8 @@ def run_cell(run: CellRun) -> Path:
         # The plugin's source as this process sees it, and as the engine's environment imports it (its build).
         "wmtp_plugin_sha256": source_sha256(),
         "engine": {
-            k: run.engine_manifest.get(k) for k in ("engine", "kind", "source", "python", "versions", "spec_hash")
+            k: run.engine_manifest.get(k)
+            for k in ("engine", "kind", "source", "python", "versions", "spec_hash", "build_hash")
         },
         "model_dir": str(run.model_dir),
         # The checkpoint's architecture, so the analysis can set the cost model's prediction next to this cell.

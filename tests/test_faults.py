@@ -77,6 +77,14 @@ def _parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+def wait_gone(path: Path, budget_s: float) -> bool:
+    """Whether ``path`` still exists after waiting up to ``budget_s`` for it to go."""
+    deadline = time.monotonic() + budget_s
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return path.exists()
+
+
 def _short_tmp_of(pid: int) -> Path | None:
     """The cell's short temporary folder, as its server was given it (TMPDIR: the engine's sockets live there)."""
     for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
@@ -132,9 +140,9 @@ def faults(tmp_path_factory, engine_python):
         finally:
             if proc.poll() is None:
                 proc.kill()
-    # A SIGKILLed cell cannot remove its short temporary folder (a cell that ends any other way does): the test does.
-    if killed_tmp is not None:
-        shutil.rmtree(killed_tmp, ignore_errors=True)
+    # A SIGKILLed cell cannot remove its short temporary folder: its watchdog does, once the server is gone.
+    facts["a_tmp_named"] = killed_tmp is not None
+    facts["a_tmp_left"] = killed_tmp is not None and wait_gone(killed_tmp, KILL_BUDGET_S)
     facts["a_files"] = sorted(p.name for p in cell_dir.iterdir()) if cell_dir.exists() else []
 
     # B: a plain rerun; Ctrl-C to Snakemake's whole process group, as a terminal sends it.
@@ -163,12 +171,13 @@ def faults(tmp_path_factory, engine_python):
     return {"tmp": tmp, "study": study, "raw": raw, "results": results, "cell_dir": cell_dir, "facts": facts}
 
 
-def test_a_killed_cell_leaves_no_server_process(faults, record_property):
+def test_a_killed_cell_leaves_no_server_process_and_no_temporary_folder(faults, record_property):
     facts = faults["facts"]
     record_property("seconds_until_the_server_group_was_gone", facts["a_gone_s"])
     assert facts["a_rc"] != 0
     assert facts["a_gone_s"] is not None, f"a server process outlived its killed cell by {KILL_BUDGET_S} s"
     assert "manifest.json" not in facts["a_files"]
+    assert facts["a_tmp_named"] and not facts["a_tmp_left"], "the killed cell's temporary folder was left behind"
 
 
 def test_ctrl_c_stops_the_cell_within_seconds_and_records_why(faults, record_property):

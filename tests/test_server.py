@@ -73,9 +73,10 @@ def test_server_dies_with_a_killed_starter(tmp_path):
         from pathlib import Path
         from wmtp.measure.server import ServerProcess
         s = ServerProcess([sys.executable, "-c", {FAKE_SERVER!r}, "{port}"], {{}}, Path({str(tmp_path / "s.log")!r}),
-                          "http://127.0.0.1:{port}")
+                          "http://127.0.0.1:{port}", orphan_dirs=[{str(tmp_path / "cell-tmp")!r}])
         s.start(); s.wait_healthy(30); print(s.pid, flush=True); time.sleep(3600)
     """)
+    (tmp_path / "cell-tmp" / "sockets").mkdir(parents=True)
     proc = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
     pid = int(proc.stdout.readline())
     assert group_alive(pid)
@@ -89,6 +90,11 @@ def test_server_dies_with_a_killed_starter(tmp_path):
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
     assert not left, "a process of the server's group outlived the killed starter by 30 s"
+    # and the starter's own temporary folder went with it
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (tmp_path / "cell-tmp").exists():
+        time.sleep(0.1)
+    assert not (tmp_path / "cell-tmp").exists()
 
 
 STRANGER = textwrap.dedent("""

@@ -392,6 +392,19 @@ PORT_ATTEMPTS = 3
 INTERRUPT_GRACE_S = 5.0
 
 
+# A cell's short temporary folder is <tmp>/wmtp-<pid>-<random>: the pid tells whose it is.
+TMP_PREFIX = "wmtp-"
+
+
+def _remove_orphaned_tmp() -> None:
+    """Remove the temporary folders of cells whose process is gone: one killed before its server's watchdog
+    started leaves its folder behind (the watchdog removes it otherwise)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{TMP_PREFIX}*-*"):
+        owner = folder.name[len(TMP_PREFIX) :].split("-", 1)[0]
+        if owner.isdigit() and folder.is_dir() and not _pid_alive(int(owner)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -497,6 +510,7 @@ def _build_server(run: CellRun, engine: EngineAdapter, staging: Path, cache_dir:
         engine.health_path,
         make_dirs=[env[k] for k in ("TMPDIR", *engine.cache_env) if k in env],
         verify_owner=spec.source != "container",
+        orphan_dirs=[str(short_tmp)],
     )
     return server, container_stop
 
@@ -599,7 +613,8 @@ def run_cell(run: CellRun) -> Path:
     spec = study.engine(cell.engine)
     engine = adapter(spec.kind)
     engine.check_cell(spec, run.engine_manifest, cell, [*spec.serve_args, *study.model(cell.model).serve_args])
-    short_tmp = Path(tempfile.mkdtemp(prefix="wmtp-"))
+    _remove_orphaned_tmp()
+    short_tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
     meter = open_meter(run.gpu_index)
     manifest: dict[str, Any] = {
         "cell": cell.model_dump(mode="json"),

@@ -100,10 +100,13 @@ class ServerProcess:
         health_path: str = "/health",
         make_dirs: Sequence[str] = (),
         verify_owner: bool = True,
+        orphan_dirs: Sequence[str] = (),
     ):
         self.argv = argv
         # Directories the server expects to exist (its temp and cache folders, as its adapter names them).
         self.make_dirs = tuple(make_dirs)
+        # Folders of the cell's own that its watchdog removes if the cell dies before it can.
+        self.orphan_dirs = tuple(orphan_dirs)
         # A container's port is published by its runtime's proxy, which is not in our process group.
         self.verify_owner = verify_owner
         self.env = env
@@ -131,7 +134,7 @@ class ServerProcess:
         )
         log_file.close()
         if sys.platform == "linux" and hasattr(os, "pidfd_open"):
-            self.watchdog = watchdog.start(os.getpid(), self.proc.pid)
+            self.watchdog = watchdog.start(os.getpid(), self.proc.pid, self.orphan_dirs)
 
     @property
     def pid(self) -> int | None:

@@ -5,6 +5,7 @@ rule cell:
     input:
         engine=lambda wc: engine_input(CELLS[wc.cell].engine),
         model=lambda wc: model_files(CELLS[wc.cell].model),
+        set_aside=lambda wc: set_aside_records(wc.cell),
     output:
         # Every file a complete cell leaves (wmtp.layout.RAW_SUCCESS_FILES); the manifest is written last.
         requests=RAW_CELL / layout.REQUESTS_FILE,
@@ -31,3 +32,20 @@ rule cell:
         "{params.py} -m wmtp --log {log:q} cell --study-json {params.study:q} --cell {wildcards.cell:q} "
         "--engine-manifest {input.engine:q} --model-dir {params.model_dir:q} --out {params.out:q} "
         "--identity {params.identity:q}"
+
+
+# A complete cell whose raw files are damaged: its files move into a folder of their own inside the cell's, and the
+# record of that is an input of the cell, so a plain run measures it again.
+rule set_aside:
+    output:
+        LOGS / layout.DAMAGED_DIR / "{cell}" / "{digest}.json",
+    log:
+        LOGS / layout.DAMAGED_DIR / "{cell}" / "{digest}.log",
+    params:
+        py=PY,
+        cell_dir=lambda wc: cell_dir(wc.cell),
+    localrule: True
+    conda:
+        "../envs/pipeline.yaml"
+    shell:
+        "{params.py} -m wmtp --log {log:q} set-aside --cell-dir {params.cell_dir:q} --record {output:q}"

@@ -47,6 +47,7 @@ STUDY_JSON = resolved_study_json(STUDY)
 
 wildcard_constraints:
     cell=layout.CELL_ID_PATTERN,
+    digest="[0-9a-f]{16}",
     engine=layout.NAME_PATTERN,
     model=layout.NAME_PATTERN,
 
@@ -128,6 +129,20 @@ def model_files(model_name):
 
 def cell_dir(cell_id):
     return layout.cell_dir(RESULTS, cell_id)
+
+
+# Complete cells whose raw files are damaged, read (never written) as the workflow is parsed: each gets a
+# set_aside job that moves its files aside, and so is measured again by a plain run.
+DAMAGED = {c: found for c in CELLS if (found := layout.damaged_files(cell_dir(c)))}
+
+
+def set_aside_records(cell_id):
+    """The records of this cell's damaged files set aside: every earlier one (so its input set stays the same), and
+    the one its present damage needs."""
+    records = sorted(layout.damage_record(RESULTS, cell_id, "x").parent.glob("*.json"))
+    if cell_id in DAMAGED:
+        records.append(layout.damage_record(RESULTS, cell_id, layout.damage_digest(cell_dir(cell_id), DAMAGED[cell_id])))
+    return sorted(set(records))
 
 
 def cell_manifests():

@@ -179,6 +179,13 @@ def cmd_collect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_set_aside(args: argparse.Namespace) -> int:
+    from wmtp.measure.cell import set_aside_damaged
+
+    set_aside_damaged(Path(args.cell_dir), Path(args.record))
+    return 0
+
+
 def cmd_derive(args: argparse.Namespace) -> int:
     from wmtp.analyze.derive import derive
 
@@ -261,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admission", nargs="*", default=[], help="the ring's admission proofs (raw/admission/*.json)")
     p.add_argument("--identities", help="JSON {cell id: identity hash} the study gives its cells: others are refused")
     p.set_defaults(func=cmd_collect)
+
+    p = sub.add_parser("set-aside", help="move a damaged cell's raw files aside so that it is measured again")
+    p.add_argument("--cell-dir", required=True, help="results/<study>/raw/<cell id>")
+    p.add_argument("--record", required=True, help="where to record what was damaged and where it went")
+    p.set_defaults(func=cmd_set_aside)
 
     p = sub.add_parser("derive", help="tidy tables → the derived tables the report shows")
     p.add_argument("--tidy", required=True, help="results/<study>/tidy")

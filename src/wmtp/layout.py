@@ -14,6 +14,8 @@ or the cell id format changes here or nowhere. The tree of one study::
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +125,54 @@ def cell_dir(results: Path, cell_id: str) -> Path:
 def raw_files(results: Path, cell_id: str) -> dict[str, Path]:
     """Every file a complete cell leaves, by name."""
     return {name: cell_dir(results, cell_id) / name for name in RAW_SUCCESS_FILES}
+
+
+PARQUET_MAGIC = b"PAR1"
+# Where a damaged cell's files are set aside (inside its folder), and the record of each time that happened.
+DAMAGED_PREFIX = "damaged-"
+DAMAGED_DIR = "damaged"
+
+
+def damaged_files(cell: Path) -> dict[str, str]:
+    """The raw files of a complete cell that cannot be what the cell wrote, with why (empty: intact, or a cell
+    that never completed). Cheap enough to run over every cell whenever the workflow is read: it checks that each
+    file is there, that a parquet file starts and ends with its magic bytes, and that the manifest is JSON."""
+    if not (cell / MANIFEST_FILE).exists():
+        return {}
+    found: dict[str, str] = {}
+    # The server's log is kept for people, not read by any stage: only the tables and the manifest are checked.
+    for name in (n for n in RAW_SUCCESS_FILES if n != SERVER_LOG):
+        path = cell / name
+        if not path.is_file():
+            found[name] = "missing"
+        elif name.endswith(".parquet"):
+            with path.open("rb") as f:
+                head = f.read(4)
+                size = f.seek(0, 2)
+                f.seek(max(size - 4, 0))
+                tail = f.read(4)
+            if size < 12 or head != PARQUET_MAGIC or tail != PARQUET_MAGIC:
+                found[name] = f"not a whole parquet file ({size} bytes)"
+    try:
+        json.loads((cell / MANIFEST_FILE).read_text())
+    except (OSError, ValueError) as err:
+        found[MANIFEST_FILE] = f"not JSON ({err})"
+    return found
+
+
+def damage_digest(cell: Path, damaged: dict[str, str]) -> str:
+    """Names one damage of a cell's files (their names, sizes and times): the same damage, the same name."""
+    digest = hashlib.sha256()
+    for name in sorted(damaged):
+        path = cell / name
+        stat = path.stat() if path.exists() else None
+        digest.update(f"{name}:{stat.st_size if stat else -1}:{stat.st_mtime_ns if stat else -1};".encode())
+    return digest.hexdigest()[:16]
+
+
+def damage_record(results: Path, cell_id: str, digest: str) -> Path:
+    """The record that a damaged cell's files were set aside (a log: raw files are never rewritten)."""
+    return results / LOGS_DIR / DAMAGED_DIR / cell_id / f"{digest}.json"
 
 
 def admission_file(results: Path, model: str, engine: str) -> Path:

@@ -11,7 +11,7 @@ import pandas as pd
 
 from wmtp.analyze import analysis, costmodel
 from wmtp.analyze.floor import step_floor_ms
-from wmtp.layout import COUNTERS_FILE, MANIFEST_FILE, REQUESTS_FILE
+from wmtp.layout import COUNTERS_FILE, MANIFEST_FILE, REQUESTS_FILE, damaged_files
 
 log = logging.getLogger(__name__)
 
@@ -393,6 +393,10 @@ class MixedProtocols(ValueError):
     pass
 
 
+class DamagedCell(MixedProtocols):
+    """A complete cell whose raw files are not what it wrote (truncated, missing, not parseable)."""
+
+
 class StaleCells(MixedProtocols):
     """Cells whose recorded identity is not the one the study file now gives them."""
 
@@ -519,6 +523,12 @@ def collect(
     for cell_dir in cell_dirs:
         if not (cell_dir / MANIFEST_FILE).exists():
             raise FileNotFoundError(f"{cell_dir} has no {MANIFEST_FILE}: the cell did not complete")
+        damaged = damaged_files(cell_dir)
+        if damaged:
+            what = "; ".join(f"{cell_dir / name}: {why}" for name, why in sorted(damaged.items()))
+            raise DamagedCell(
+                f"collect: a cell's raw files are damaged ({what}); run snakemake again to measure it anew"
+            )
     manifests = {str(d): json.loads((d / MANIFEST_FILE).read_text()) for d in cell_dirs}
     if expected_identities is not None:
         check_identities(manifests, expected_identities)

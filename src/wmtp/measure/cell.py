@@ -452,6 +452,27 @@ def recover_staging(out_dir: Path, identity_hash_now: str) -> bool:
     return adopted
 
 
+def set_aside_damaged(cell_dir: Path, record: Path) -> dict[str, Any]:
+    """Move a damaged cell's files into a folder of their own inside the cell's, so that the cell is measured anew;
+    nothing is deleted or rewritten. ``record`` says what was damaged and where it went."""
+    damaged = layout.damaged_files(cell_dir)
+    found: dict[str, Any] = {"cell_dir": str(cell_dir), "damaged": damaged, "moved_to": None}
+    if damaged:
+        aside = cell_dir / f"{layout.DAMAGED_PREFIX}{record.stem}"
+        aside.mkdir(exist_ok=True)
+        for name in (*layout.RAW_SUCCESS_FILES, layout.FAILURE_FILE, layout.SERVER_FAILED_LOG):
+            if (cell_dir / name).exists():
+                os.replace(cell_dir / name, aside / name)
+        found["moved_to"] = str(aside)
+        what = "; ".join(f"{name}: {why}" for name, why in damaged.items())
+        log.warning(
+            "cell %s: damaged raw files (%s) set aside in %s; the cell is measured again", cell_dir, what, aside
+        )
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({**found, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2))
+    return found
+
+
 def _record_failure(out_dir: Path, staging: Path, failure: dict[str, Any]) -> None:
     """failure.json in the cell's folder; where that cannot be written, in the staging folder; and a log line."""
     text = json.dumps(failure, indent=2, default=str)

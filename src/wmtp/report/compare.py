@@ -672,7 +672,7 @@ def published_display(section: Section) -> pd.DataFrame:
 
     def meas_text(r: pd.Series) -> str:
         if np.isfinite(r["measured"]):
-            return fmt_ci(r["measured"], r["measured_lo"], r["measured_hi"], 4)
+            return fmt_ci(r["measured"], r["measured_lo"], r["measured_hi"])
         if np.isfinite(r["measured_lo"]):
             return f"{fmt_value(r['measured_lo'], 4)}–{fmt_value(r['measured_hi'], 4)}"
         return ""

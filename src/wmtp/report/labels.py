@@ -209,13 +209,44 @@ def fmt_value(value: Any, digits: int = 4) -> str:
     return f"{v:.{digits}g}"
 
 
-def fmt_ci(point: float, lo: float, hi: float, digits: int = 4) -> str:
-    """'1.605 [1.581, 1.629]' or just the point when the interval is missing."""
-    if not np.isfinite(point):
+def interval_step(lo: float, hi: float) -> float:
+    """The rounding step an interval supports: the half-width's leading digit, or its first two digits
+    when the leading one is 1 or 2 (±0.032 → 0.01, ±0.15 → 0.01, ±9,353 → 1,000); a digit finer than
+    that states a precision the interval denies."""
+    half = abs(hi - lo) / 2
+    if not math.isfinite(half) or half == 0:
+        return 0.0
+    exponent = math.floor(math.log10(half))
+    leading = half / 10**exponent
+    return 10.0 ** (exponent - 1 if leading < 3 else exponent)
+
+
+def _fmt_step(value: float, step: float) -> str:
+    rounded = round(value / step) * step
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
+    text = f"{rounded:,.{decimals}f}"
+    return "0" if float(rounded) == 0 else text.replace("-", "−")
+
+
+def fmt_interval(point: float, lo: float, hi: float, *, null: float | None = None) -> str:
+    """A point and its interval rounded to what the interval supports: '0.08 [0.05, 0.11]'.
+
+    With ``null`` (1 for a ratio, 0 for a change) an interval that holds it reads 'not resolved [lo, hi]':
+    the point is not a number to read. Missing numbers give ''; a missing interval, the point alone."""
+    if point is None or not math.isfinite(point):
         return ""
-    if not (np.isfinite(lo) and np.isfinite(hi)):
-        return fmt_value(point, digits)
-    return f"{fmt_value(point, digits)} [{fmt_value(lo, digits)}, {fmt_value(hi, digits)}]"
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)) or hi == lo:
+        return fmt_value(point)
+    step = interval_step(lo, hi)
+    bounds = f"[{_fmt_step(lo, step)}, {_fmt_step(hi, step)}]"
+    if null is not None and lo <= null <= hi:
+        return f"not resolved {bounds}"
+    return f"{_fmt_step(point, step)} {bounds}"
+
+
+def fmt_ci(point: float, lo: float, hi: float, *, null: float | None = None) -> str:
+    """A table's point and interval: :func:`fmt_interval`."""
+    return fmt_interval(point, lo, hi, null=null)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,7 +24,12 @@ NOTEBOOK = REPO_ROOT / "notebooks" / "report.ipynb"
 
 
 def save_figure(fig: Any, figures_dir: Path | str, name: str, *, dpi: int = 120) -> Path:
-    """Saves a matplotlib figure as ``<name>.png`` and ``<name>.svg``; returns the PNG path."""
+    """Saves a matplotlib figure as ``<name>.png`` and ``<name>.svg``; returns the PNG path.
+
+    A figure whose text boxes collide is refused (:class:`wmtp.report.figure_check.UnreadableFigure`)."""
+    from wmtp.report.figure_check import check_readable
+
+    check_readable(fig, name)
     figures_dir = Path(figures_dir)
     figures_dir.mkdir(parents=True, exist_ok=True)
     png = figures_dir / f"{name}.png"

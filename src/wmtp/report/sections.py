@@ -280,7 +280,7 @@ def draft_tax_display(section: Section) -> pd.DataFrame:
                 )
             ],
             "share of target growth (%)": [
-                fmt_ci(100 * p, 100 * lo, 100 * hi)
+                fmt_ci(100 * p, 100 * lo, 100 * hi, null=0.0)
                 for p, lo, hi in zip(
                     f["share"],
                     f.get("share_lo", f["share"] * np.nan),
@@ -306,7 +306,7 @@ def speedup_change_display(section: Section) -> pd.DataFrame:
             "speedup from": [fmt_value(v, 4) for v in f["speedup_from"]],
             "speedup to": [fmt_value(v, 4) for v in f["speedup_to"]],
             "change [bootstrap interval, unpaired]": [
-                fmt_ci(p, lo, hi) for p, lo, hi in zip(f["change"], f["lo"], f["hi"], strict=True)
+                fmt_ci(p, lo, hi, null=0.0) for p, lo, hi in zip(f["change"], f["lo"], f["hi"], strict=True)
             ],
             "± se": [fmt_value(v) for v in f["se"]],
         }

@@ -1,0 +1,61 @@
+"""The report's opening answer: a few sentences on the cost-side ratio, each number with its interval."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+from wmtp.report.engine_steps import _ceiling
+from wmtp.report.labels import fmt_interval
+
+#: The geometry of the paper's 1M figure: d draft tokens per cycle, window W and sink S.
+PAPER_D, PAPER_W, PAPER_S = 7, 4032, 64
+MAX_SENTENCES = 6
+
+
+def _ratio(value: Any) -> str:
+    return "" if value is None or not math.isfinite(float(value)) else f"{float(value):.2f}"
+
+
+def headline_sentences(engine: pd.DataFrame | None, claim: dict[str, float] | None) -> list[str]:
+    """At most :data:`MAX_SENTENCES` sentences: what windowing can save at most, what the real engine
+    measured per context (not resolved where its range holds 1), the replica and cost model beside it, and
+    the paper's claim against the ceiling at the paper's own d."""
+    out: list[str] = []
+    if engine is not None and not engine.empty:
+        first = engine.iloc[0]
+        k = int(first["k"])
+        out.append(
+            "Windowing removes only the draft's KV reads, so the cost-side ratio (native MTP's cycle over the "
+            f"windowed draft's) cannot exceed 1 + k/L_full: {_ratio(first['ceiling 1 + k/L_full'])} for "
+            f"{first['model']} at k {k}."
+        )
+        measured = "; ".join(
+            f"{r['context']}: {fmt_interval(r['engine mtp / wmtp'], r['ratio_lo'], r['ratio_hi'], null=1.0)}"
+            for _, r in engine.sort_values("tokens").iterrows()
+        )
+        out.append(f"In {first['engine']} at k {k} and batch {int(first['batch'])} it measured {measured} "
+                   "(range over servers).")  # fmt: skip
+        beside = engine.dropna(subset=["replica"]).sort_values("tokens")
+        if not beside.empty:
+            out.append(
+                "At the same shape the GPU replica gives "
+                + ", ".join(f"{_ratio(r['replica'])} at {r['context']}" for _, r in beside.iterrows())
+                + " and the cost model "
+                + ", ".join(f"{_ratio(r['cost model'])}" for _, r in beside.iterrows())
+                + "."
+            )
+        if claim:
+            ceiling = _ceiling(str(first["model"]), PAPER_D)
+            lo, hi = 1 + claim["lo"], 1 + claim["hi"]
+            verdict = "within" if hi <= ceiling else "above"
+            out.append(
+                f"The paper's {lo:.2f}–{hi:.2f} at 1M was taken at d {PAPER_D}, W {PAPER_W}, S {PAPER_S}, where "
+                f"the ceiling is {_ratio(ceiling)}: the claim is {verdict} it."
+            )
+    else:
+        out.append("No real engine's step file was given, so this report has no measured cost-side ratio.")
+    out.append("The figure below sets these side by side; each further question has its own section.")
+    return out[:MAX_SENTENCES]

@@ -1,0 +1,27 @@
+"""wmtp.report.headline: the report opens with a short answer, from the committed real-engine step file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from wmtp.report import compare, engine_steps, headline, load
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_answer_is_short_states_intervals_and_sets_the_paper_at_its_own_d():
+    steps = engine_steps.load_engine_steps([ROOT / "measurements" / "h200" / "vllm_qwen3.6-35b-a3b.csv"])
+    frame = engine_steps.engine_step_section(steps, None).frame
+    claim = compare.paper_claim(load.load_published(load.PUBLISHED_DIR))
+    sentences = headline.headline_sentences(frame, claim)
+    assert 1 <= len(sentences) <= headline.MAX_SENTENCES
+    text = " ".join(sentences)
+    # the engine's range over servers holds 1 at 131K: not a number to read
+    assert "131K: not resolved [" in text
+    assert f"d {headline.PAPER_D}, W {headline.PAPER_W}, S {headline.PAPER_S}" in text
+    assert "ceiling is 1.70" in text and "within it" in text
+
+
+def test_without_an_engine_the_answer_says_so():
+    (first, *_) = headline.headline_sentences(None, None)
+    assert "No real engine" in first

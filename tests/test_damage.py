@@ -33,10 +33,11 @@ def test_an_intact_cell_and_one_that_never_completed_are_not_damaged(cell, tmp_p
 def test_a_truncated_parquet_a_missing_file_and_a_broken_manifest_are_each_named(cell):
     with (cell / layout.REQUESTS_FILE).open("r+b") as f:
         f.truncate(100)
-    (cell / layout.POWER_FILE).unlink()
+    (cell / layout.COUNTERS_FILE).unlink()
+    (cell / layout.POWER_FILE).unlink()  # collect does not read it: a missing one is Snakemake's to notice
     assert layout.damaged_files(cell) == {
         layout.REQUESTS_FILE: "not a whole parquet file (100 bytes)",
-        layout.POWER_FILE: "missing",
+        layout.COUNTERS_FILE: "missing",
     }
     (cell / layout.MANIFEST_FILE).write_text('{"cell": ')
     assert layout.damaged_files(cell)[layout.MANIFEST_FILE].startswith("not JSON")

@@ -27,6 +27,7 @@ import pytest
 import yaml
 from conftest import engines_dir, wait_for
 
+from wmtp import layout
 from wmtp.measure.server import group_alive
 from wmtp.measure.watchdog import group_members
 
@@ -164,10 +165,42 @@ def faults(tmp_path_factory, engine_python):
     third = subprocess.run(_snakemake(study), cwd=REPO, capture_output=True, text=True, timeout=1500)
     facts["c_rc"], facts["c_out"] = third.returncode, third.stdout + third.stderr
     facts["c_files"] = sorted(p.name for p in cell_dir.iterdir())
+
+    # D: a finished cell's table cut short: a plain run sets its files aside and measures it again.
+    requests_file = cell_dir / "requests.parquet"
+    with requests_file.open("r+b") as f:
+        f.truncate(100)
+    fourth = subprocess.run(_snakemake(study), cwd=REPO, capture_output=True, text=True, timeout=1500)
+    facts["d_rc"], facts["d_out"] = fourth.returncode, fourth.stdout + fourth.stderr
+    facts["d_intact"] = requests_file.stat().st_size > 100 and not layout.damaged_files(cell_dir)
+    facts["d_aside"] = sorted(str(p.relative_to(cell_dir)) for p in cell_dir.glob("damaged-*/requests.parquet"))
+    facts["d_aside_size"] = [p.stat().st_size for p in cell_dir.glob("damaged-*/requests.parquet")]
+
+    # E: the tidy tables removed: a plain run makes them again.
+    shutil.rmtree(results / "tidy")
+    fifth = subprocess.run(_snakemake(study), cwd=REPO, capture_output=True, text=True, timeout=1500)
+    facts["e_rc"], facts["e_out"] = fifth.returncode, fifth.stdout + fifth.stderr
+    facts["e_tidy"] = sorted(p.name for p in (results / "tidy").glob("*.parquet"))
+
+    # F: a finished study plans nothing.
+    dry = subprocess.run(_snakemake(study, "-n"), cwd=REPO, capture_output=True, text=True, timeout=600)
+    facts["f_rc"], facts["f_out"] = dry.returncode, dry.stdout + dry.stderr
+
+    # G: a study of the other kind (a windowed arm) on the same engine, in one plain run.
+    windowed = {**raw, "study": "faults-windowed", "arms": [{"name": "wmtp", "k": [3], "sink": [16], "window": [256]}]}
+    windowed_study = tmp / "windowed.yaml"
+    windowed_study.write_text(yaml.safe_dump(windowed))
+    sixth = subprocess.run(_snakemake(windowed_study), cwd=REPO, capture_output=True, text=True, timeout=1500)
+    facts["g_rc"], facts["g_out"] = sixth.returncode, sixth.stdout + sixth.stderr
+    windowed_results = tmp / "results" / "faults-windowed"
+    facts["g_measured"] = [
+        str(p.parent.relative_to(windowed_results)) for p in windowed_results.glob("raw/**/manifest.json")
+    ]
+    facts["g_report"] = (windowed_results / "report" / "index.html").exists()
     facts["pwned"] = [str(p) for p in (REPO, tmp, Path.cwd()) if (p / marker).exists()]
     for place in facts["pwned"]:
         (Path(place) / marker).unlink()
-    (tmp / "facts.json").write_text(json.dumps({k: v for k, v in facts.items() if k != "c_out"}, indent=2))
+    (tmp / "facts.json").write_text(json.dumps({k: v for k, v in facts.items() if not k.endswith("_out")}, indent=2))
     return {"tmp": tmp, "study": study, "raw": raw, "results": results, "cell_dir": cell_dir, "facts": facts}
 
 
@@ -239,3 +272,29 @@ def test_collect_refuses_cells_of_different_protocols(faults, tmp_path):
     )  # fmt: skip
     assert proc.returncode != 0
     assert "different protocols" in proc.stderr and "output_tokens: 16 vs 999" in proc.stderr
+
+
+def test_a_damaged_table_is_set_aside_and_the_cell_measured_again_by_a_plain_run(faults):
+    facts = faults["facts"]
+    assert facts["d_rc"] == 0, facts["d_out"][-3000:]
+    assert facts["d_intact"], "the cell was not measured again"
+    # the damaged file is kept, as it was, beside the new measurement
+    assert len(facts["d_aside"]) == 1 and facts["d_aside_size"] == [100]
+
+
+def test_removed_tidy_tables_are_made_again_by_a_plain_run(faults):
+    facts = faults["facts"]
+    assert facts["e_rc"] == 0, facts["e_out"][-3000:]
+    assert facts["e_tidy"] == sorted(f"{name}.parquet" for name in layout.TIDY_TABLES)
+
+
+def test_a_finished_study_plans_nothing(faults):
+    facts = faults["facts"]
+    assert facts["f_rc"] == 0 and "Nothing to be done" in facts["f_out"], facts["f_out"][-3000:]
+
+
+def test_a_study_of_the_other_kind_runs_whole_in_one_plain_run(faults):
+    facts = faults["facts"]
+    assert facts["g_rc"] == 0, facts["g_out"][-3000:]
+    assert facts["g_measured"] == ["raw/model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~256/c~1"]
+    assert facts["g_report"]

@@ -18,8 +18,9 @@ def test_the_answer_is_short_states_intervals_and_sets_the_paper_at_its_own_d():
     text = " ".join(sentences)
     # the engine's range over servers holds 1 at 131K: not a number to read
     assert "131K: not resolved [" in text
-    assert f"d {headline.PAPER_D}, W {headline.PAPER_W}, S {headline.PAPER_S}" in text
-    assert "ceiling is 1.70" in text and "within it" in text
+    assert "d 7 (6 draft forwards), W 4032, S 64" in text
+    # 10 full-attention layers, 6 draft forwards of one: 1 + 6/10
+    assert "ceiling is 1.60" in text and "within it" in text
 
 
 def test_without_an_engine_the_answer_says_so():

@@ -452,7 +452,7 @@ def test_acceptance_display_without_workloads(full_tidy_dir):
 
 def test_the_papers_claim_is_set_against_the_ceiling_with_the_committed_h200_replica(tmp_path):
     """The committed H200 measurements, tidied as the workflow does: the 35B's replica ratio at 1M and k = 3
-    sits below the KV-bound ceiling 1 + 3/10, which the paper's upper end 1.44 exceeds."""
+    sits below the KV-bound ceiling 1 + 3/10; the paper's range is set against the ceiling at its own depth."""
     from wmtp.replica import replica as rp
 
     out = tmp_path / "replica.parquet"
@@ -463,8 +463,9 @@ def test_the_papers_claim_is_set_against_the_ceiling_with_the_committed_h200_rep
     assert row["context"] == "1M" and row["paper"] == "1.28–1.44"
     assert row["ceiling 1 + 3/L_full"] == pytest.approx(1.30)
     assert 1.0 < row["replica (H200)"] < row["cost model"] < row["ceiling 1 + 3/L_full"] < 1.44
-    assert row["the paper's range"] == "upper end above the ceiling"
-    assert set(frame["the paper's range"]) <= {"above the ceiling", "upper end above the ceiling"}
+    # at the paper's own depth (d 7: six draft forwards) its range sits within the ceiling 1 + 6/10
+    assert row["ceiling at the paper's d 7"] == pytest.approx(1.60)
+    assert row["the paper's range, at its own d"] == "within the ceiling"
 
 
 def test_the_report_shows_the_claim_the_floor_and_the_batch_sweep_from_the_replica_table(tmp_path, full_tidy_dir):

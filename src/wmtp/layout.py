@@ -128,6 +128,8 @@ def raw_files(results: Path, cell_id: str) -> dict[str, Path]:
 
 
 PARQUET_MAGIC = b"PAR1"
+# What collect reads of a cell.
+COLLECTED_FILES = (MANIFEST_FILE, REQUESTS_FILE, COUNTERS_FILE)
 # Where a damaged cell's files are set aside (inside its folder), and the record of each time that happened.
 DAMAGED_PREFIX = "damaged-"
 DAMAGED_DIR = "damaged"
@@ -140,11 +142,13 @@ def damaged_files(cell: Path) -> dict[str, str]:
     if not (cell / MANIFEST_FILE).exists():
         return {}
     found: dict[str, str] = {}
-    # The server's log is kept for people, not read by any stage: only the tables and the manifest are checked.
+    # The server's log is kept for people, not read by any stage: only the tables and the manifest are checked, and
+    # the tables collect reads must be there.
     for name in (n for n in RAW_SUCCESS_FILES if n != SERVER_LOG):
         path = cell / name
         if not path.is_file():
-            found[name] = "missing"
+            if name in COLLECTED_FILES:
+                found[name] = "missing"
         elif name.endswith(".parquet"):
             with path.open("rb") as f:
                 head = f.read(4)

@@ -68,7 +68,8 @@ def _replica_ratio(replica: pd.DataFrame | None, model: str, context: int, k: in
     return float(at["measured_ratio"].iloc[0]), float(at["predicted_ratio"].iloc[0])
 
 
-def _ceiling(model: str, k: int) -> float:
+def ceiling_ratio(model: str, k: int) -> float:
+    """1 + k/L_full for that model: the most windowing the draft can save per cycle when only KV reads count."""
     from wmtp.analyze.costmodel import limit_ratio
 
     path = model_file(canonical_model(model))
@@ -155,7 +156,7 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
                     ),
                     "replica": round(replica_ratio, 3),
                     "cost model": round(model_ratio, 3),
-                    "ceiling 1 + k/L_full": round(_ceiling(model, int(k)), 3),
+                    "ceiling 1 + k/L_full": round(ceiling_ratio(model, int(k)), 3),
                     "× floor none/mtp/wmtp": "/".join(
                         "–" if math.isnan(_value(r, "over_floor")) else f"{_value(r, 'over_floor'):.1f}"
                         for r in (none_row, mtp, wmtp)

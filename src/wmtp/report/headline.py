@@ -7,11 +7,10 @@ from typing import Any
 
 import pandas as pd
 
-from wmtp.report.engine_steps import _ceiling
+from wmtp.report.compare import PAPER_DRAFT_FORWARDS, PAPER_DRAFT_TOKENS, PAPER_SINK, PAPER_WINDOW
+from wmtp.report.engine_steps import ceiling_ratio
 from wmtp.report.labels import fmt_interval
 
-#: The geometry of the paper's 1M figure: d draft tokens per cycle, window W and sink S.
-PAPER_D, PAPER_W, PAPER_S = 7, 4032, 64
 MAX_SENTENCES = 6
 
 
@@ -48,12 +47,13 @@ def headline_sentences(engine: pd.DataFrame | None, claim: dict[str, float] | No
                 + "."
             )
         if claim:
-            ceiling = _ceiling(str(first["model"]), PAPER_D)
+            ceiling = ceiling_ratio(str(first["model"]), PAPER_DRAFT_FORWARDS)
             lo, hi = 1 + claim["lo"], 1 + claim["hi"]
             verdict = "within" if hi <= ceiling else "above"
             out.append(
-                f"The paper's {lo:.2f}–{hi:.2f} at 1M was taken at d {PAPER_D}, W {PAPER_W}, S {PAPER_S}, where "
-                f"the ceiling is {_ratio(ceiling)}: the claim is {verdict} it."
+                f"The paper's {lo:.2f}–{hi:.2f} at 1M was taken at d {PAPER_DRAFT_TOKENS} ({PAPER_DRAFT_FORWARDS} "
+                f"draft forwards), W {PAPER_WINDOW}, S {PAPER_SINK}, where the ceiling is {_ratio(ceiling)}: the "
+                f"claim is {verdict} it."
             )
     else:
         out.append("No real engine's step file was given, so this report has no measured cost-side ratio.")

@@ -166,4 +166,6 @@ def derived_tables():
 
 
 def all_targets():
-    return [layout.report_file(RESULTS), RESOLVED_CONFIG]
+    """The report and everything it is made from that a person reads: Snakemake makes an intermediate file again
+    only when something asks for it, so the tables are targets too (removed, a plain run makes them again)."""
+    return [layout.report_file(RESULTS), RESOLVED_CONFIG, *tidy_tables(), *derived_tables()]

@@ -104,14 +104,15 @@ def test_the_cli_writes_the_csv_from_tidy_folders(tidy, tmp_path):
 def test_a_cell_study_narrowed_to_one_rung_keeps_that_rungs_repeats(repo, capsys):
     from wmtp.cli import main
 
-    cell = "model~qwen3.6-35b-a3b/engine~vllm/arm~wmtp/k~3/s~16/w~4096/c~1"
+    cell = "model~qwen3.6-35b-a3b/engine~vllm/arm~wmtp/k~3/s~16/w~4096/c~1/server~2"
     config = str(repo / "config" / "studies" / "h200-vllm.yaml")
     assert main(["cell-study", "--config", config, "--cell", cell, "--rungs", "1048576"]) == 0
     raw = json.loads(capsys.readouterr().out)
     assert raw["protocol"]["rungs"] == [1048576] and raw["protocol"]["repeats"] == [1]
-    assert main(["cell-study", "--config", config, "--cell", cell, "--rungs", "1048576", "262144"]) == 0
+    assert main(["cell-study", "--config", config, "--cell", cell, "--rungs", "1048576", "131072"]) == 0
     raw = json.loads(capsys.readouterr().out)
-    assert raw["protocol"]["rungs"] == [262144, 1048576] and raw["protocol"]["repeats"] == [2, 1]
+    assert raw["protocol"]["rungs"] == [131072, 1048576] and raw["protocol"]["repeats"] == [3, 1]
+    assert raw["protocol"]["servers"] == 3
     assert raw["arms"] == [{"name": "wmtp", "k": [3], "sink": [16], "window": [4096]}]
     assert main(["cell-study", "--config", config, "--cell", cell, "--rungs", "4096"]) == 2
 

@@ -19,7 +19,7 @@ import math
 
 import pandas as pd
 
-from wmtp.analyze import costmodel
+from wmtp.analyze import analysis, costmodel
 
 COLUMNS = [
     "engine_version",
@@ -67,9 +67,9 @@ _RUNG = ["cell_id", "workload", "rung"]
 
 def request_step_ms(decode_s: float, completion_tokens: int, tokens_per_cycle: float) -> float:
     """One request's cycle time: its decode window over the cycles it took (NaN without a decoded token)."""
-    if completion_tokens <= 1 or not decode_s > 0 or not tokens_per_cycle > 0:
+    if not tokens_per_cycle > 0:
         return math.nan
-    return 1e3 * decode_s * tokens_per_cycle / (completion_tokens - 1)
+    return float(analysis.cycle_ms(tokens_per_cycle, analysis.decode_rate(completion_tokens, decode_s)))
 
 
 def _lists(group: pd.DataFrame, column: str) -> list:

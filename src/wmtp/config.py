@@ -169,6 +169,11 @@ class ProtocolSpec(_Strict):
         return data
 
 
+#: The Windowed-MTP paper's 1M geometry: 7 draft tokens per cycle (6 draft forwards, top-1), window 4032, sink 64
+#: (SGLang's own long-context test window). The replica's and the cost model's windowed arm use S and W.
+PAPER_DRAFT_TOKENS, PAPER_WINDOW, PAPER_SINK = 7, 4032, 64
+
+
 class ReplicaSettings(_Strict):
     """The GPU cost-side replica's sweep (rules/replica.smk); every default lives here."""
 
@@ -185,8 +190,8 @@ class ReplicaSettings(_Strict):
     # Concurrent requests per step (each with its own KV and state); what does not fit is recorded, not run.
     batches: str = "1,2,4,8"
     # S and W of the windowed draft: the paper-1m study's (SGLang's default window).
-    sink: int = 64
-    window: int = 4032
+    sink: int = PAPER_SINK
+    window: int = PAPER_WINDOW
     reps: int = 30
     label: str = "h200"
     # Tidy this folder of replica_*.csv (e.g. measurements/h200) instead of running the sweep.

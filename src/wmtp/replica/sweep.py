@@ -25,6 +25,7 @@ from typing import Any
 from wmtp.analyze import costmodel as cm
 from wmtp.analyze import floor as fl
 from wmtp.analyze.analysis import cost_side_ratio
+from wmtp.config import PAPER_SINK, PAPER_WINDOW
 from wmtp.replica.kernels import (
     HAVE_TRITON,
     AttnLaunch,
@@ -108,8 +109,8 @@ class SweepConfig:
     models: list[Path]
     contexts: list[int]
     ks: list[int]
-    sink: int = 64
-    window: int = 4032
+    sink: int = PAPER_SINK
+    window: int = PAPER_WINDOW
     reps: int = 30
     batches: list[int] = field(default_factory=lambda: [1])
     backend: str = "auto"

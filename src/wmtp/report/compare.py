@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from wmtp.analyze import analysis as an
+from wmtp.config import PAPER_DRAFT_TOKENS, PAPER_SINK, PAPER_WINDOW
 from wmtp.layout import REPO_ROOT
 from wmtp.report.labels import (
     add_labels,
@@ -46,8 +47,6 @@ def paper_claim(published: pd.DataFrame) -> dict[str, float] | None:
 
 PAPER_STUDY_CONFIG = REPO_ROOT / "config" / "studies" / "paper-1m.yaml"
 PAPER_K = 3
-#: The paper's 1M figure: 7 draft tokens per cycle (6 draft forwards, top-1), window 4032, sink 64.
-PAPER_DRAFT_TOKENS, PAPER_WINDOW, PAPER_SINK = 7, 4032, 64
 PAPER_DRAFT_FORWARDS = PAPER_DRAFT_TOKENS - 1
 
 
@@ -76,7 +75,7 @@ def ring_reclaim_section(
     rows = []
     for path in sorted(directory.glob("*.json")):
         for context in contexts:
-            p = predict(path, context, k, sink=64, window=4032)
+            p = predict(path, context, k, sink=PAPER_SINK, window=PAPER_WINDOW)
             rows.append(
                 {
                     "model": p.model,

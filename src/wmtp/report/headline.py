@@ -7,7 +7,8 @@ from typing import Any
 
 import pandas as pd
 
-from wmtp.report.compare import PAPER_DRAFT_FORWARDS, PAPER_DRAFT_TOKENS, PAPER_SINK, PAPER_WINDOW
+from wmtp.config import PAPER_DRAFT_TOKENS, PAPER_SINK, PAPER_WINDOW
+from wmtp.report.compare import PAPER_DRAFT_FORWARDS
 from wmtp.report.engine_steps import ceiling_ratio
 from wmtp.report.labels import fmt_interval
 

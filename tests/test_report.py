@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -331,12 +334,18 @@ def _html_checks(html_path: Path, figures: set[str]) -> str:
     return html
 
 
-@pytest.mark.timeout(600)
-def test_render_full_report(tmp_path, full_tidy_dir):
-    out = tmp_path / "report"
+@pytest.fixture(scope="module")
+def full_report(tmp_path_factory, full_tidy_dir) -> Path:
+    out = tmp_path_factory.mktemp("full") / "report"
     steps = ROOT / "measurements" / "h200" / "vllm_qwen3.6-35b-a3b.csv"
     argv = ["--study", "spark-128k", "--tidy", str(full_tidy_dir), "--out", str(out), "--engine-steps", str(steps)]
     assert render.main_report(argv) == 0
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_render_full_report(full_report):
+    out = full_report
     html = _html_checks(out / "index.html", FULL_FIGURES | {"engine_steps"})
     assert "Study report" in html
     assert "A real engine on a GPU" in html and "vLLM 0.24.0" in html
@@ -344,6 +353,47 @@ def test_render_full_report(tmp_path, full_tidy_dir):
     assert compare.NOTE_NO_WINDOWED not in html
     assert "paper: 1.28–1.44× at 1M" not in html  # legend text lives in the image, not the page
     assert (out / "report.ipynb").exists()
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        message = "Debian's chromium is not installed (apt-get install chromium); .ci/run installs it"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_a_reader_sees_the_answer_first_in_a_browser(full_report, tmp_path):
+    """The rendered page in headless Chromium at 1,400 × 900: the answer first and short, its figure right after it,
+    every figure drawn, no traceback, NaN or empty table, and a first screen that is not blank."""
+    browser = _chromium()
+    page = (full_report / "index.html").resolve().as_uri()
+    common = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1400,900",
+              f"--user-data-dir={tmp_path / 'profile'}"]  # fmt: skip
+    dom = subprocess.run([*common, "--dump-dom", page], capture_output=True, text=True, timeout=120).stdout
+    assert "<h1" in dom, dom[:2000]
+    body = re.sub(r"<(style|script)[^>]*>.*?</\1>", "", dom, flags=re.S)
+    headings = re.findall(r"<h[12][^>]*>(.*?)</h[12]>", body, flags=re.S)
+    texts = [re.sub(r"<[^>]+>", "", h).replace("¶", "").strip() for h in headings]
+    assert texts[1] == "The answer", texts[:4]
+    answer = body.split(headings[1], 1)[1].split("<h2", 1)[0]
+    sentences = [t for t in re.split(r"(?<=[.])\s+", re.sub(r"<[^>]+>", " ", answer).strip()) if t]
+    assert 1 <= len(sentences) <= 6, sentences
+    assert "<img" in answer, "the headline figure comes with the answer"
+    assert body.count("<img") == len(list((full_report / "figures").glob("*.png")))
+    words = re.sub(r"<[^>]+>", " ", body).split()
+    assert "Traceback" not in words and "nan" not in words and "NaN" not in words
+    for table in re.findall(r"<table.*?</table>", body, flags=re.S):
+        assert "<td" in table, "an empty table"
+    shot = tmp_path / "first-screen.png"
+    subprocess.run([*common, f"--screenshot={shot}", page], capture_output=True, timeout=120)
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(shot)
+    assert pixels.shape[:2] == (900, 1400) and pixels.std() > 0.05, "the first screen is blank"
 
 
 @pytest.mark.timeout(600)

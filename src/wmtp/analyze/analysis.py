@@ -74,16 +74,19 @@ def position_rate(d_accepted_at_position: float, d_drafts: float) -> float:
     return d_accepted_at_position / d_drafts if d_drafts > 0 else math.nan
 
 
-def cycle_ms(tokens_per_verify: float | np.ndarray, decode_tokens_per_s: float | np.ndarray) -> float | np.ndarray:
+def cycle_ms(tokens_per_verify: float, decode_tokens_per_s: float) -> float:
     """Wall time of one verify cycle (k draft forwards + one target forward); 1000/tok_s without a draft.
 
-    The one home of this formula: scalars give a float, arrays an array (NaN where the rate is not positive).
+    The one home of this formula; :func:`cycle_ms_of` applies it element by element.
     """
-    rate = np.asarray(decode_tokens_per_s, dtype=float)
-    tpv = np.asarray(tokens_per_verify, dtype=float)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(rate > 0, tpv * 1000.0 / np.where(rate > 0, rate, 1.0), np.nan)
-    return float(out) if out.ndim == 0 else out
+    if not decode_tokens_per_s > 0:
+        return math.nan
+    return tokens_per_verify * 1000.0 / decode_tokens_per_s
+
+
+def cycle_ms_of(tokens_per_verify: object, decode_tokens_per_s: object) -> np.ndarray:
+    """:func:`cycle_ms` over arrays (or an array and a number), as numpy broadcasts them."""
+    return np.vectorize(cycle_ms, otypes=[float])(tokens_per_verify, decode_tokens_per_s)
 
 
 def decode_tok_s_from_cycle_ms(cycle_milliseconds: float, tokens_per_verify: float = 1.0) -> float:
@@ -626,7 +629,9 @@ def draft_tax_table(
                 tpv1: float = tpv1,
                 k: int = k,
             ) -> np.ndarray:
-                return ((cycle_ms(tpv1, a1) - cycle_ms(tpv0, a0)) - (cycle_ms(1.0, b1) - cycle_ms(1.0, b0))) / k
+                return (
+                    (cycle_ms_of(tpv1, a1) - cycle_ms_of(tpv0, a0)) - (cycle_ms_of(1.0, b1) - cycle_ms_of(1.0, b0))
+                ) / k
 
             def share(
                 b0: np.ndarray,
@@ -637,7 +642,7 @@ def draft_tax_table(
                 tpv1: float = tpv1,
                 k: int = k,
             ) -> np.ndarray:
-                return per_step(b0, b1, a0, a1, tpv0, tpv1, k) / (cycle_ms(1.0, b1) - cycle_ms(1.0, b0))
+                return per_step(b0, b1, a0, a1, tpv0, tpv1, k) / (cycle_ms_of(1.0, b1) - cycle_ms_of(1.0, b0))
 
             samples = [tok_s(base_req, r0), tok_s(base_req, r1), tok_s(arm_req, r0), tok_s(arm_req, r1)]
             for name, field_name, fn in (("per_step", "per_step_ms", per_step), ("share", "share", share)):

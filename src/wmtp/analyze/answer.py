@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import pandas as pd
 
-from wmtp.analyze.analysis import cycle_ms
+from wmtp.analyze.analysis import cycle_ms_of
 from wmtp.analyze.intervals import (
     RESOLVED,
     Interval,
@@ -59,7 +59,7 @@ def _cycle_ms(rows: pd.DataFrame) -> pd.Series:
     from raw files of cells that counted per rung only: then acceptance noise does not enter the interval).
     """
     tpv = rows["req_tok_per_verify"] if "req_tok_per_verify" in rows else rows["rung_tpv"]
-    return pd.Series(cycle_ms(tpv.fillna(rows["rung_tpv"]), rows["decode_tok_s"]), index=rows.index)
+    return pd.Series(cycle_ms_of(tpv.fillna(rows["rung_tpv"]), rows["decode_tok_s"]), index=rows.index)
 
 
 # What a quantity can be: a t interval at 3-5 prompts overshoots these, and a bound outside them is impossible.

@@ -19,6 +19,7 @@
 # Usage: OUT=/path bash scripts/device/h200_cells.sh [--arms "none mtp wmtp"] [--k "1 3 5"] [--windows "4096"]
 #                                                    [--rungs "1048576 524288 131072"] [--pieces N] [--budget-s S]
 #                                                    [--together]
+#   --arms "A B"   the arms to run, in the order each server's pieces run them (default "none mtp wmtp")
 #   --windows "W"  of the windowed cells, only those with these W (default: every W of the study)
 #   --pieces N     run at most N pieces that are not there yet (default 1); 0 only collects (no engine needed)
 #   --budget-s S   start no piece after S seconds of this run (default 0: no limit)
@@ -56,7 +57,7 @@ while [ $# -gt 0 ]; do
     --budget-s) budget=$2; shift ;;
     --plan) plan=1 ;;
     --together) together=1 ;;
-    -h | --help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,32p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
   shift
@@ -70,7 +71,7 @@ $py -m wmtp check-config --config "$study" >"$OUT/check-config.txt" 2>&1 ||
   die "the study does not validate: $(cat "$OUT/check-config.txt")"
 
 # The study's cells, filtered by arm and k; its rungs, longest first.
-cells=()
+cells=() ordered=()
 while read -r cell; do
   arm=$(sed -n 's|.*/arm~\([^/]*\)/.*|\1|p' <<<"$cell")
   k=$(sed -n 's|.*/k~\([0-9]*\)/.*|\1|p' <<<"$cell")
@@ -78,8 +79,12 @@ while read -r cell; do
   [[ " $arms " == *" $arm "* ]] || continue
   [ -z "$k" ] || [[ " $ks " == *" $k "* ]] || continue
   [ -z "$w" ] || [ -z "$windows" ] || [[ " $windows " == *" $w "* ]] || continue
-  cells+=("$cell")
+  server=$(sed -n 's|.*/server~\([0-9]*\)$|\1|p' <<<"$cell")
+  arm_rank=$(tr ' ' '\n' <<<"$arms" | sed '/^$/d' | grep -nx "$arm" | cut -d: -f1)
+  ordered+=("${server:-1} $arm_rank $cell")
 done < <(sed -n 's/^  \(model~[^ ]*\)$/\1/p' "$OUT/check-config.txt")
+# Server by server, and within a server in the order --arms names the arms: the arms interleave in time.
+[ ${#ordered[@]} -eq 0 ] || mapfile -t cells < <(printf '%s\n' "${ordered[@]}" | sort -s -n -k1,1 -k2,2 | cut -d' ' -f3)
 [ -n "$rungs" ] || rungs=$($py -c "from wmtp.config import load_study; print(*load_study('$study').protocol.rungs)")
 rungs=$(tr ' ' '\n' <<<"$rungs" | sed '/^$/d' | sort -rn | tr '\n' ' ')
 [ ${#cells[@]} -gt 0 ] || die "no cell of the study has arm in '$arms' and k in '$ks'"

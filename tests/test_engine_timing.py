@@ -84,11 +84,12 @@ def test_a_cycle_below_its_byte_floor_is_screened_and_named():
     assert math.isnan(screened.loc[1, "ttft_s"])
 
 
-def _request(server: int, arm: str, rung: int, step_ms: float, floor_ms: float) -> dict:
+def _request(server: int, arm: str, rung: int, step_ms: float, floor_ms: float, started: str = "") -> dict:
     windowed = arm == "wmtp"
     cell_id = f"m/{arm}/server~{server}"
     return {
         "cell_id": cell_id,
+        "server_started_at": started,
         "arm": arm,
         "k": 0 if arm == "none" else 3,
         "sink": 16 if windowed else None,
@@ -124,9 +125,10 @@ def test_the_step_file_takes_the_median_of_server_medians_with_their_spread_and_
     assert mtp["client_step_ms"] == pytest.approx(9.9) and mtp["clock"] == "engine"
     assert mtp["over_floor"] == pytest.approx(11.0 / 4.3)
     assert (mtp["wmtp_revision"], mtp["plugin_sha256"]) == ("abc (told)", "0123")
-    # growth between contexts beside the least its extra bytes allow at the peak bandwidth
+    # growth between contexts within the one server that measured both (17 - 10, not the medians' 17 - 11), beside
+    # the least its extra bytes allow at the peak bandwidth
     longer = table[(table["arm"] == "mtp") & (table["context"] == 1048576)].iloc[0]
-    assert longer["growth_ms"] == pytest.approx(6.0)
+    assert longer["growth_ms"] == pytest.approx(7.0) and longer["growth_servers"] == 1
     assert longer["growth_floor_ms"] == pytest.approx((10.0 - 4.3) * 4.33 / 4.8)
     ratio = server_ratio(table, "mtp", "wmtp", k=3)
     at_128k = ratio[ratio["context"] == 131072].iloc[0]
@@ -142,3 +144,17 @@ def test_a_revision_told_wins_over_a_copys_git(monkeypatch):
     assert cell.git_revision() == "a6ac412 (told)"
     monkeypatch.delenv(cell.REVISION_ENV)
     assert cell.git_revision() != "a6ac412 (told)"
+
+
+def test_growth_between_contexts_where_no_server_lifetime_measured_both_is_between_medians_and_says_so():
+    rows = [_request(server, "mtp", 131072, step, 4.3) for server, step in ((1, 10.0), (2, 12.0), (3, 11.0))]
+    # server 3 again, started later: the same cell id, another server lifetime
+    rows = [{**row, "server_started_at": "13:58" if row["cell_id"].endswith("~3") else ""} for row in rows]
+    rows += [_request(s, "mtp", 524288, step, 6.8, "16:42") for s, step in ((3, 12.5), (4, 12.7), (5, 13.0))]
+    rows += [_request(s, "mtp", 1048576, step, 10.0, "16:42") for s, step in ((3, 16.9), (4, 15.5), (5, 17.0))]
+    requests = pd.DataFrame(rows)
+    rungs = requests[["cell_id", "workload", "rung"]].drop_duplicates().assign(tok_per_verify=1.0)
+    table = step_table(requests, rungs, "0.24.0").set_index("context")
+    assert table.loc[524288, "growth_ms"] == pytest.approx(12.7 - 11.0) and table.loc[524288, "growth_servers"] == 0
+    # servers 3, 4 and 5 grew by 4.4, 2.8 and 4.0 ms: their median, not the medians' difference (16.9 - 12.7)
+    assert table.loc[1048576, "growth_ms"] == pytest.approx(4.0) and table.loc[1048576, "growth_servers"] == 3

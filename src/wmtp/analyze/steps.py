@@ -43,6 +43,7 @@ COLUMNS = [
     "over_floor",
     "growth_ms",
     "growth_floor_ms",
+    "growth_servers",
     "cycle_ms",
     "cycle_ms_p10",
     "cycle_ms_p90",
@@ -137,6 +138,8 @@ def _server_rows(kept: pd.DataFrame, rungs: pd.DataFrame, engine_version: str) -
                 "W": int(first["window"]) if windowed else math.nan,
                 "context": int(first["rung"]),
                 "batch": int(first["concurrency"]),
+                # One server lifetime: its cell id and when it started (a cell id may be served again later).
+                "server": (first["cell_id"], str(first.get("server_started_at") or "")),
                 "steps": steps.dropna().tolist(),
                 "client_steps": client.dropna().tolist(),
                 "clock": clocks.pop() if len(clocks) == 1 else "mixed",
@@ -189,7 +192,8 @@ def _shape_row(parts: list[dict]) -> dict:
     """One shape's row from its servers' rows: the median of the servers' median cycles, and their spread."""
     first = parts[0]
     steps, cycles, gaps = _numbers(parts, "steps"), _numbers(parts, "cycles"), _numbers(parts, "gaps")
-    server_steps = [float(pd.Series(p["steps"]).median()) for p in parts if p["steps"]]
+    by_server = {p["server"]: float(pd.Series(p["steps"]).median()) for p in parts if p["steps"]}
+    server_steps = list(by_server.values())
     step = float(pd.Series(server_steps).median()) if server_steps else math.nan
     chunked = [pair for p in parts for pair in p["chunked"]]
     ttft, floors = _numbers(parts, "ttft"), _numbers(parts, "floors")
@@ -222,6 +226,7 @@ def _shape_row(parts: list[dict]) -> dict:
         "ttft_s": _median(ttft),
         "ttft_s_min": float(ttft.min()) if len(ttft) else math.nan,
         "ttft_s_max": float(ttft.max()) if len(ttft) else math.nan,
+        "by_server": by_server,
         **{
             key: _median(pd.Series([p[key] for p in parts], dtype=float).dropna())
             for key in ("windowed_forwards", "hook_host_us_per_build", "read_sink_tokens", "kv_cache_tokens")
@@ -235,14 +240,26 @@ def _shape_row(parts: list[dict]) -> dict:
 
 
 def _add_growth(table: pd.DataFrame) -> None:
-    """``growth_ms``: each shape's cycle less the same configuration's at the next shorter context;
-    ``growth_floor_ms``: the least that growth can be, its extra bytes at the device's peak bandwidth."""
+    """``growth_ms``: each shape's cycle less the same configuration's at the next shorter context, within each
+    server that measured both (the median over those servers; ``growth_servers`` counts them), else, with
+    ``growth_servers`` 0, between the shapes' medians over different servers; ``growth_floor_ms``: the least that
+    growth can be, its extra bytes at the device's peak bandwidth.
+
+    Two servers configured alike have differed by more than a context's extra bytes take, so only growth within a
+    server tests the bytes.
+    """
     table["growth_ms"] = math.nan
     table["growth_floor_ms"] = math.nan
+    table["growth_servers"] = 0
     for _, group in table.groupby(["arm", "k", "S", "W", "batch"], dropna=False, sort=False):
         ordered = group.sort_values("context")
         for (_, shorter), (index, longer) in zip(ordered.iterrows(), ordered.iloc[1:].iterrows(), strict=False):
-            table.loc[index, "growth_ms"] = longer["step_ms"] - shorter["step_ms"]
+            both = sorted(set(shorter["by_server"]) & set(longer["by_server"]))
+            within = [longer["by_server"][server] - shorter["by_server"][server] for server in both]
+            table.loc[index, "growth_ms"] = (
+                _median(pd.Series(within)) if within else longer["step_ms"] - shorter["step_ms"]
+            )
+            table.loc[index, "growth_servers"] = len(within)
             measured = costmodel.device_bandwidth(longer["gpu_name"])
             peak = costmodel.device_bandwidth(longer["gpu_name"], costmodel.PEAK_BANDWIDTH)
             if measured and peak:

@@ -157,7 +157,11 @@ def request_table(cell_dir: Path) -> pd.DataFrame:
         for c, e in zip(frame["completion_tokens"], frame["decode_energy_j"], strict=True)
     ]
     floors = [byte_floor_ms(manifest, int(p)) for p in frame["prompt_tokens"]]
-    frame["gpu_name"] = (manifest.get("gpu_at_start") or {}).get("gpu_name")
+    gpu = manifest.get("gpu_at_start") or {}
+    frame["gpu_name"] = gpu.get("gpu_name")
+    # Which server lifetime and which GPU: one cell id may be served again later, on another machine.
+    frame["server_started_at"] = manifest.get("started_at")
+    frame["gpu_uuid"] = gpu.get("uuid")
     # Which code measured: the checkout's revision and the plugin's source as the engine's environment held it.
     frame["wmtp_revision"] = manifest.get("wmtp_revision")
     engine_versions = (manifest.get("engine") or {}).get("versions") or {}

@@ -84,17 +84,21 @@ def test_nothing_to_show_without_a_step_file():
 
 
 def test_the_committed_h200_steps_are_the_engines_clock_over_several_servers():
-    """The real-engine file as committed: none, mtp and wmtp at each context, timed by the engine's clock, mtp and
-    wmtp from at least three servers, every cycle above its byte floor, the window applied in every wmtp row."""
+    """The real-engine file as committed: mtp and wmtp at 128K, 512K and 1M, none at 128K, timed by the engine's
+    clock, from three servers an arm at 128K and at least two elsewhere, every cycle above its byte floor, the window
+    applied in every wmtp row, and growth from 512K to 1M within each server above its extra bytes."""
     path = ROOT / "measurements" / "h200" / "vllm_qwen3.6-35b-a3b.csv"
     steps = load_engine_steps([path])
     assert (steps["clock"] == "engine").all() and (steps["over_floor"] > 1).all()
-    frame = engine_step_section(steps, None).frame
-    assert len(frame) >= 1 and frame["tokens"].min() == 131072 and (frame["clock"] == "engine").all()
-    assert frame["none (ms)"].notna().all() and (frame["windowed draft forwards (server)"] > 0).all()
-    assert all(int(s.split("/")[1]) >= 3 and int(s.split("/")[2]) >= 3 for s in frame["servers none/mtp/wmtp"])
+    frame = engine_step_section(steps, None).frame.set_index("tokens")
+    assert list(frame.index) == [131072, 524288, 1048576] and (frame["clock"] == "engine").all()
+    assert pd.notna(frame.loc[131072, "none (ms)"]) and (frame["windowed draft forwards (server)"] > 0).all()
+    servers = {tokens: [int(n) for n in s.split("/")[1:]] for tokens, s in frame["servers none/mtp/wmtp"].items()}
+    assert min(servers[131072]) >= 3 and all(min(n) >= 2 for n in servers.values())
     assert (frame["ratio_lo"] <= frame["engine mtp / wmtp"]).all()
     assert (frame["engine mtp / wmtp"] <= frame["ratio_hi"]).all()
+    longest = steps[steps["context"] == 1048576]
+    assert (longest["growth_servers"] >= 2).all() and (longest["growth_ms"] > longest["growth_floor_ms"]).all()
 
 
 def test_a_replica_table_from_before_the_batch_sweep_is_read_as_one_request(tmp_path):

@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 
 run: $(VENV)/.installed
 	$(VENV)/bin/snakemake
+	@$(PY) -m wmtp progress --phases
 	@echo
 	@echo "report: $(CURDIR)/results/embedded/report/index.html"
 

@@ -15,7 +15,7 @@ rule cell:
         server_log=RAW_CELL / layout.SERVER_LOG,
         manifest=RAW_CELL / layout.MANIFEST_FILE,
     log:
-        LOGS / "cells" / "{cell}.log",
+        LOGS / layout.CELL_LOGS_DIR / "{cell}.log",
     params:
         py=PY,
         # The study narrowed to this cell and the identity of its inputs: a change reruns exactly this cell.

@@ -23,6 +23,7 @@ from conftest import engines_dir, wait_for
 
 from wmtp.config import COPY_LEAD_TOKENS
 from wmtp.measure.equality import equal_up_to_numerics
+from wmtp.measure.progress import study_progress
 from wmtp.measure.server import group_alive
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -261,3 +262,20 @@ def test_tidy_tables_and_report(pipeline):
 def test_no_server_left_behind(pipeline):
     left = subprocess.run(["pgrep", "-f", str(pipeline["tmp"] / "models")], capture_output=True, text=True)
     assert left.stdout.strip() == "", f"servers still running: {left.stdout}"
+
+
+def test_progress_reads_where_each_real_cell_spent_its_time(pipeline):
+    """`wmtp progress` on the cells' own logs: every cell done, each with a server start, a warm-up and one phase
+    per rung and workload in the order they ran, the last run of the killed cell only, all within its manifest's
+    duration."""
+    progress = study_progress(pipeline["cells"], pipeline["results"])
+    assert progress.done == pipeline["cells"] and not progress.running and not progress.waiting
+    ran = [f"rung {r}" + ("" if w == "code" else f" ({w})") for r in RUNGS for w in WORKLOADS]
+    for cell_id in pipeline["cells"]:
+        timeline = progress.timelines[cell_id]
+        assert [p.name for p in timeline.phases] == ["server start", "warm-up", *ran], cell_id
+        assert all(p.seconds >= 0 for p in timeline.phases)
+        assert all(p.done == p.of == 2 for p in timeline.phases[2:])
+        spent = (timeline.last_seen - timeline.started).total_seconds()
+        assert 0 < spent <= progress.durations[cell_id]
+    assert progress.eta_s(timeline.last_seen) == 0.0

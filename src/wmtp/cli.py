@@ -8,6 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
+from wmtp import layout
 from wmtp.config import Cell, ConfigError, EngineSpec, Study, load_study, study_from_dict, study_warnings
 from wmtp.layout import REPO_ROOT
 
@@ -199,6 +200,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     return main_report(args.rest)
 
 
+def cmd_progress(args: argparse.Namespace) -> int:
+    from wmtp.measure.render_progress import show_progress
+
+    study = _study(args)
+    results = layout.study_dir(study.results_dir, study.study)
+    return show_progress([c.cell_id for c in study.cells()], results, follow=args.follow, phases=args.phases)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wmtp", description="Speculative decoding at long context, end to end.")
     parser.add_argument("--log", type=Path, help="also write the log to this file")
@@ -231,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", type=int, default=None, help="GPU index to measure (default: CUDA_VISIBLE_DEVICES)")
     p.add_argument("--identity", help="the identity hash the workflow planned this cell with; refuse another")
     p.set_defaults(func=cmd_cell_run)
+
+    p = with_config(sub.add_parser("progress", help="which cells are done, which is running, and the time left"))
+    p.add_argument("--follow", action="store_true", help="redraw every 2 s until every cell is done (Ctrl-C stops)")
+    p.add_argument("--phases", action="store_true", help="also each cell's time per phase (start, warm-up, rungs)")
+    p.set_defaults(func=cmd_progress)
 
     p = with_config(sub.add_parser("cell-study", help="print the study narrowed to one cell, as its rule hands it"))
     p.add_argument("--cell", required=True)

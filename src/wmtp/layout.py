@@ -122,6 +122,14 @@ def cell_dir(results: Path, cell_id: str) -> Path:
     return results / RAW_DIR / cell_id
 
 
+# A cell job's log, under the study's logs: the cell rule writes it, `wmtp progress` reads it.
+CELL_LOGS_DIR = "cells"
+
+
+def cell_log(results: Path, cell_id: str) -> Path:
+    return results / LOGS_DIR / CELL_LOGS_DIR / f"{cell_id}.log"
+
+
 def raw_files(results: Path, cell_id: str) -> dict[str, Path]:
     """Every file a complete cell leaves, by name."""
     return {name: cell_dir(results, cell_id) / name for name in RAW_SUCCESS_FILES}

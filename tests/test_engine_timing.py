@@ -158,3 +158,12 @@ def test_growth_between_contexts_where_no_server_lifetime_measured_both_is_betwe
     assert table.loc[524288, "growth_ms"] == pytest.approx(12.7 - 11.0) and table.loc[524288, "growth_servers"] == 0
     # servers 3, 4 and 5 grew by 4.4, 2.8 and 4.0 ms: their median, not the medians' difference (16.9 - 12.7)
     assert table.loc[1048576, "growth_ms"] == pytest.approx(4.0) and table.loc[1048576, "growth_servers"] == 3
+
+
+def test_one_cell_served_twice_at_one_context_is_two_servers_each_with_its_own_tokens_per_cycle():
+    rows = [_request(1, "mtp", 131072, 10.0, 4.3, "13:54"), _request(1, "mtp", 131072, 12.0, 4.3, "16:29")]
+    requests = pd.DataFrame(rows)
+    rungs = requests[["cell_id", "workload", "rung", "server_started_at"]].assign(tok_per_verify=[1.0, 2.0])
+    row = step_table(requests, rungs, "0.24.0").iloc[0]
+    # the later server decoded two tokens a cycle: its 12 ms a token is a 24 ms cycle
+    assert row["servers"] == 2 and row["server_step_ms"] == "10.000;24.000"

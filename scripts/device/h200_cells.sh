@@ -21,9 +21,13 @@
 #                                                    [--together]
 #   --arms "A B"   the arms to run, in the order each server's pieces run them (default "none mtp wmtp")
 #   --windows "W"  of the windowed cells, only those with these W (default: every W of the study)
+#   --servers "N"  only these of each configuration's servers (default: all the study starts)
 #   --pieces N     run at most N pieces that are not there yet (default 1); 0 only collects (no engine needed)
 #   --budget-s S   start no piece after S seconds of this run (default 0: no limit)
 #   --together     a piece is one cell over all its missing rungs of --rungs, in one server
+#   --again        with --together, a piece is one cell over every rung of --rungs, also those other pieces hold
+#                  (another server lifetime of the cell: a server that measures all its contexts, so that growth
+#                  between them is timed in one server); only a piece over exactly these rungs counts as there
 #   --plan         list the pieces this run would start, and stop (no engine needed)
 # Compile caches: .gpu-inputs/compile-cache.tar.gz, when carried in, is unpacked into results/engines/vllm/cache
 # before the first server starts (Triton's kernels: the largest part of a cold start's minutes).
@@ -41,7 +45,7 @@ engine_manifest=results/engines/vllm/manifest.json
 cache=results/engines/vllm/cache
 carried_cache=.gpu-inputs/compile-cache.tar.gz
 cache_limit=$((15 * 1024 * 1024))  # what one file back from the H200 may weigh, with room
-arms="none mtp wmtp" ks="1 3 5" windows="" rungs="" pieces=1 budget=0 plan=0 together=0
+arms="none mtp wmtp" ks="1 3 5" windows="" rungs="" pieces=1 budget=0 plan=0 together=0 again=0 servers=""
 py=python3
 
 die() { echo "h200_cells: ERROR: $*" >&2; exit 1; }
@@ -52,12 +56,14 @@ while [ $# -gt 0 ]; do
     --arms) arms=$2; shift ;;
     --k) ks=$2; shift ;;
     --windows) windows=$2; shift ;;
+    --servers) servers=$2; shift ;;
     --rungs) rungs=$2; shift ;;
     --pieces) pieces=$2; shift ;;
     --budget-s) budget=$2; shift ;;
     --plan) plan=1 ;;
     --together) together=1 ;;
-    -h | --help) sed -n '2,32p' "$0"; exit 0 ;;
+    --again) again=1 ;;
+    -h | --help) sed -n '2,36p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
   shift
@@ -80,6 +86,7 @@ while read -r cell; do
   [ -z "$k" ] || [[ " $ks " == *" $k "* ]] || continue
   [ -z "$w" ] || [ -z "$windows" ] || [[ " $windows " == *" $w "* ]] || continue
   server=$(sed -n 's|.*/server~\([0-9]*\)$|\1|p' <<<"$cell")
+  [ -z "$servers" ] || [[ " $servers " == *" ${server:-1} "* ]] || continue
   arm_rank=$(tr ' ' '\n' <<<"$arms" | sed '/^$/d' | grep -nx "$arm" | cut -d: -f1)
   ordered+=("${server:-1} $arm_rank $cell")
 done < <(sed -n 's/^  \(model~[^ ]*\)$/\1/p' "$OUT/check-config.txt")
@@ -109,9 +116,15 @@ missing() {  # missing CELL: its rungs of this run without raw files, longest fi
 
 # The pieces, in order: "cell|rung rung ..." (longest rung first; a piece per rung unless --together).
 plan_pieces=()
+[ "$again" = 0 ] || [ "$together" = 1 ] || die "--again needs --together"
 if [ "$together" = 1 ]; then
   for cell in "${cells[@]}"; do
-    todo=$(missing "$cell")
+    if [ "$again" = 1 ]; then
+      todo=$(echo $rungs)
+      [ ! -f "$raw_root/rungs~$(tr ' ' '-' <<<"$todo")/$cell/manifest.json" ] || todo=""
+    else
+      todo=$(missing "$cell")
+    fi
     [ -z "$todo" ] || plan_pieces+=("$cell|$todo")
   done
 else

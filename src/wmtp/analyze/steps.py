@@ -117,11 +117,14 @@ def _median(values: pd.Series) -> float:
 def _server_rows(kept: pd.DataFrame, rungs: pd.DataFrame, engine_version: str) -> list[dict]:
     """One row per server and rung: that server's requests' cycles (engine clock and client's), chunk cycles,
     floors and the plugin's figures."""
-    per_rung = rungs.set_index(_RUNG)["tok_per_verify"]
+    # One server lifetime's rung: a cell served again later (another start) is another server.
+    lifetime = [*_RUNG, "server_started_at"] if "server_started_at" in kept.columns else _RUNG
+    rung_key = lifetime if set(lifetime) <= set(rungs.columns) else _RUNG
+    per_rung = rungs.set_index(rung_key)["tok_per_verify"]
     rows = []
-    for _, group in kept.groupby(_RUNG, sort=True):
+    for _, group in kept.groupby(lifetime, sort=True, dropna=False):
         first = group.iloc[0]
-        tpc = 1.0 if first["arm"] == "none" else float(per_rung.get(tuple(first[_RUNG]), math.nan))
+        tpc = 1.0 if first["arm"] == "none" else _one(per_rung, tuple(first[rung_key]))
         completions = [int(c) for c in group["completion_tokens"]]
         steps = pd.Series([request_step_ms(d, c, tpc) for d, c in zip(group["decode_s"], completions, strict=True)])
         client_decode = group["client_decode_s"] if "client_decode_s" in group.columns else group["decode_s"]
@@ -174,6 +177,15 @@ def _server_rows(kept: pd.DataFrame, rungs: pd.DataFrame, engine_version: str) -
             }
         )
     return rows
+
+
+def _one(series: pd.Series, key: tuple) -> float:
+    """The value at ``key``; NaN where there is none, or more than one (two servers under one key)."""
+    try:
+        value = series.loc[[key]]
+    except KeyError:
+        return math.nan
+    return float(value.iloc[0]) if len(value) == 1 else math.nan
 
 
 def _distinct(group: pd.DataFrame, column: str) -> str:

@@ -16,6 +16,8 @@ from wmtp.layout import COUNTERS_FILE, MANIFEST_FILE, REQUESTS_FILE, damaged_fil
 log = logging.getLogger(__name__)
 
 CELL_KEYS = ["study", "cell_id", "model", "engine", "arm", "k", "sink", "window", "concurrency"]
+# Which server lifetime measured a row, and on which GPU: a cell id can be served again later, elsewhere.
+SERVER_COLUMNS = ("server_started_at", "gpu_uuid")
 # A cell's counters are snapshotted per (workload, rung); raw files from before workloads existed are code.
 RUNG_KEYS = ["workload", "rung"]
 DEFAULT_WORKLOAD = "code"
@@ -366,7 +368,7 @@ def rung_table(requests: pd.DataFrame, deltas: pd.DataFrame) -> pd.DataFrame:
             tok_per_j=analysis.tok_per_j(generated, energy),
             power_w=analysis.power_w(energy, window_s),
             power_status=str(group["power_status"].iloc[0]),
-            **{c: group[c].iloc[0] for c in EFFECTIVE_WINDOW_COLUMNS if c in group.columns},
+            **{c: group[c].iloc[0] for c in (*EFFECTIVE_WINDOW_COLUMNS, *SERVER_COLUMNS) if c in group.columns},
         )
         rows.append(row)
     return pd.DataFrame(rows)

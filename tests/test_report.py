@@ -174,16 +174,19 @@ def test_add_labels_facets_by_model_where_it_varies():
     assert set(one["facet"]) == {""} and list(one["series"]) == list(one["label"]) == ["none", "mtp k=3"]
 
 
-def test_series_styles_one_hue_per_arm_and_distinct_shades():
+def test_series_styles_one_colour_and_marker_per_arm_and_a_line_style_per_series_within_it():
     frame = pd.DataFrame(
         {"arm": ["none", "mtp", "mtp", "wmtp", "wmtp-ring"], "k": [0, 1, 3, 3, 3],
          "label": ["none", "mtp k=1", "mtp k=3", "wmtp k=3 S=16 W=128", "wmtp-ring k=3 S=16 W=128"]}
     )  # fmt: skip
     styles = labels.series_styles(frame, key="label")
     assert set(styles) == set(frame["label"])
-    assert len({st["color"] for st in styles.values()}) == len(styles)
-    assert styles["mtp k=1"]["marker"] == styles["mtp k=3"]["marker"] != styles["none"]["marker"]
-    assert styles["wmtp-ring k=3 S=16 W=128"]["ls"] == "--"
+    for label, style in styles.items():
+        assert {k: style[k] for k in ("color", "marker")} == labels.arm_style(labels.arm_of(label)), label
+    arms = ["none", "mtp", "wmtp", "wmtp-ring"]
+    assert len({labels.arm_style(a)["color"] for a in arms}) == len({labels.arm_style(a)["marker"] for a in arms}) == 4
+    # two series of one arm: its colour and marker, told apart by the line, the smaller k first
+    assert styles["mtp k=1"]["ls"] == "-" and styles["mtp k=3"]["ls"] == "--"
     assert labels.series_styles(pd.DataFrame()) == {}
 
 

@@ -213,6 +213,7 @@ def engine_cycles(steps: pd.DataFrame | None) -> pd.DataFrame:
             "step_ms_max": _numeric(steps, "step_ms_max"),
             "client_step_ms": _numeric(steps, "client_step_ms"),
             "clock_disagreement_max": _numeric(steps, "clock_disagreement_max"),
+            "clock": steps["clock"].astype(str) if "clock" in steps.columns else "client",
         }
     )
     return arm_order(out).sort_values(["model", "engine", "batch"], kind="stable").reset_index(drop=True)

@@ -263,6 +263,8 @@ ARM_COLORS: dict[str, str] = {
 }
 ARM_MARKERS: dict[str, str] = {"none": "o", "mtp": "s", "wmtp": "^", "wmtp-ring": "D"}
 OTHER_ARM_COLOR, OTHER_ARM_MARKER = "#8c5fb7", "v"
+#: The ratio mtp / wmtp by each source (the headline figure): colours no arm has, so no line reads as one arm's.
+RATIO_SOURCE_COLORS: dict[str, str] = {"engine mtp / wmtp": "#111111", "replica": "#b2182b", "cost model": "#8c6d31"}
 #: Line styles that tell one arm's series apart, in the order of their k, sink, window.
 SERIES_LINESTYLES: tuple[str, ...] = ("-", "--", "-.", ":")
 

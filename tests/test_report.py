@@ -25,10 +25,10 @@ COLUMNS = [
 ]  # fmt: skip
 
 FULL_FIGURES = {
-    "decode_tok_s", "speedup", "cycle_ms", "tok_per_verify", "position_acceptance", "tok_per_j", "power_w",
-    "ttft_s", "prefill_tok_s", "cost_side_wedge",
+    "decode_tok_s", "speedup", "cycle_ms", "tok_per_verify", "position_acceptance", "tok_per_j", "ttft_s",
+    "cost_side_wedge", "costmodel",
 }  # fmt: skip
-BARE_FIGURES = FULL_FIGURES - {"tok_per_j", "power_w", "cost_side_wedge"}
+BARE_FIGURES = FULL_FIGURES - {"tok_per_j", "cost_side_wedge", "costmodel"}
 
 
 def _make_tidy():
@@ -174,16 +174,19 @@ def test_add_labels_facets_by_model_where_it_varies():
     assert set(one["facet"]) == {""} and list(one["series"]) == list(one["label"]) == ["none", "mtp k=3"]
 
 
-def test_series_styles_one_hue_per_arm_and_distinct_shades():
+def test_series_styles_one_colour_and_marker_per_arm_and_a_line_style_per_series_within_it():
     frame = pd.DataFrame(
         {"arm": ["none", "mtp", "mtp", "wmtp", "wmtp-ring"], "k": [0, 1, 3, 3, 3],
          "label": ["none", "mtp k=1", "mtp k=3", "wmtp k=3 S=16 W=128", "wmtp-ring k=3 S=16 W=128"]}
     )  # fmt: skip
     styles = labels.series_styles(frame, key="label")
     assert set(styles) == set(frame["label"])
-    assert len({st["color"] for st in styles.values()}) == len(styles)
-    assert styles["mtp k=1"]["marker"] == styles["mtp k=3"]["marker"] != styles["none"]["marker"]
-    assert styles["wmtp-ring k=3 S=16 W=128"]["ls"] == "--"
+    for label, style in styles.items():
+        assert {k: style[k] for k in ("color", "marker")} == labels.arm_style(labels.arm_of(label)), label
+    arms = ["none", "mtp", "wmtp", "wmtp-ring"]
+    assert len({labels.arm_style(a)["color"] for a in arms}) == len({labels.arm_style(a)["marker"] for a in arms}) == 4
+    # two series of one arm: its colour and marker, told apart by the line, the smaller k first
+    assert styles["mtp k=1"]["ls"] == "-" and styles["mtp k=3"]["ls"] == "--"
     assert labels.series_styles(pd.DataFrame()) == {}
 
 
@@ -346,7 +349,7 @@ def full_report(tmp_path_factory, full_tidy_dir) -> Path:
 @pytest.mark.timeout(600)
 def test_render_full_report(full_report):
     out = full_report
-    html = _html_checks(out / "index.html", FULL_FIGURES | {"engine_steps"})
+    html = _html_checks(out / "index.html", FULL_FIGURES | {"engine_steps", "engine_cycles"})
     assert "Study report" in html
     assert "A real engine on a GPU" in html and "vLLM 0.24.0" in html
     assert sections.NOTE_NO_POWER not in html
@@ -365,9 +368,15 @@ def _chromium() -> str:
     return found
 
 
+def _sentences(html: str) -> list[str]:
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html)).replace("¶", "").strip()
+    return [t for t in re.split(r"(?<=[.])\s+", text) if t]
+
+
 @pytest.mark.timeout(300)
 def test_a_reader_sees_the_answer_first_in_a_browser(full_report, tmp_path):
     """The rendered page in headless Chromium at 1,400 × 900: the answer first and short, its figure right after it,
+    then one question per section with one figure and exactly one sentence, every table in the appendix at the end,
     every figure drawn, no traceback, NaN or empty table, and a first screen that is not blank."""
     browser = _chromium()
     page = (full_report / "index.html").resolve().as_uri()
@@ -380,7 +389,7 @@ def test_a_reader_sees_the_answer_first_in_a_browser(full_report, tmp_path):
     texts = [re.sub(r"<[^>]+>", "", h).replace("¶", "").strip() for h in headings]
     assert texts[1] == "The answer", texts[:4]
     answer = body.split(headings[1], 1)[1].split("<h2", 1)[0]
-    sentences = [t for t in re.split(r"(?<=[.])\s+", re.sub(r"<[^>]+>", " ", answer).strip()) if t]
+    sentences = _sentences(answer.split("<img", 1)[0])
     assert 1 <= len(sentences) <= 6, sentences
     assert "<img" in answer, "the headline figure comes with the answer"
     assert body.count("<img") == len(list((full_report / "figures").glob("*.png")))
@@ -388,6 +397,21 @@ def test_a_reader_sees_the_answer_first_in_a_browser(full_report, tmp_path):
     assert "Traceback" not in words and "nan" not in words and "NaN" not in words
     for table in re.findall(r"<table.*?</table>", body, flags=re.S):
         assert "<td" in table, "an empty table"
+
+    # Every table after the appendix's heading, none before it; the appendix is the page's last part.
+    appendix = [i for i, t in enumerate(texts) if t.startswith("Appendix")]
+    assert appendix == [len(texts) - 1] and texts[-1] == "Appendix: tables", texts
+    start = body.index(headings[-1])
+    assert body.count("<table") >= 5 and "<table" not in body[:start], "a table before the appendix"
+    assert "<img" not in body[start:], "a figure in the appendix"
+    # Each figure after the headline: exactly one sentence beside it, up to the next figure or heading.
+    figures = [m.start() for m in re.finditer(r"<img", body)]
+    assert len(figures) >= len(FULL_FIGURES) + 1
+    for at in figures[1:]:
+        beside = re.split(r"<img|<h[1-6]", body[at + 4 :], maxsplit=1)[0]
+        found = _sentences(beside.split(">", 1)[1])
+        assert len(found) == 1, found
+        assert re.search(r"\d", found[0]), f"a sentence without its number: {found[0]}"
     shot = tmp_path / "first-screen.png"
     subprocess.run([*common, f"--screenshot={shot}", page], capture_output=True, timeout=120)
     import matplotlib.image
@@ -439,7 +463,7 @@ def test_render_from_real_raw_cells(tmp_path, raw_dir: Path | None):
     study = str(tables["rungs"]["study"].iloc[0])
     html = render.render_report(study, tidy, tmp_path / "report", published_dir=PUBLISHED).read_text()
     pngs = list((tmp_path / "report" / "figures").glob("*.png"))
-    assert {"decode_tok_s", "cycle_ms", "ttft_s", "prefill_tok_s"} <= {p.stem for p in pngs}
+    assert {"decode_tok_s", "cycle_ms", "ttft_s"} <= {p.stem for p in pngs}
     assert html.count("<img") == len(pngs)
     assert "Traceback" not in html
 

@@ -7,6 +7,7 @@ import math
 import pandas as pd
 import pytest
 
+from wmtp.report import labels
 from wmtp.report.window_cost import COLUMNS, passage_distance, window_cost
 
 
@@ -118,9 +119,12 @@ def test_display_and_figure_draw_every_windowed_draft():
     fig = window_cost_figure(section)
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and len(ax.get_legend().get_texts()) == 2
-    # Two drafts that accept the same must not hide one another: another marker, a smaller one, a thinner line.
+    # Two drafts that accept the same must not hide one another: the arm's marker and colour, but another line
+    # style, a smaller marker and a thinner line.
     first, second = (container.lines[0] for container in ax.get_legend_handles_labels()[0])
-    assert first.get_marker() != second.get_marker()
+    assert first.get_marker() == second.get_marker() == labels.arm_style("wmtp")["marker"]
+    assert first.get_color() == second.get_color() == labels.arm_style("wmtp")["color"]
+    assert first.get_linestyle() != second.get_linestyle()
     assert second.get_markersize() < first.get_markersize() and second.get_linewidth() < first.get_linewidth()
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from wmtp.report.compare import canonical_model, model_file
-from wmtp.report.labels import context_label
+from wmtp.report.labels import arm_order, context_label, series_label
 from wmtp.report.load import Section
 
 STEP_FILE_PREFIX = "vllm_"
@@ -168,3 +168,156 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
                 }
             )
     return Section(pd.DataFrame(rows))
+
+
+# --------------------------------------------------------------------------------------------------
+# Each arm's cycle, and the step file's own checks: the two clocks and the growth between contexts
+# --------------------------------------------------------------------------------------------------
+
+#: A shape whose request's two decode windows (engine's and client's) differ by more than this is listed.
+CLOCK_DISAGREEMENT_LIMIT = 0.03
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _series(row: pd.Series) -> str:
+    """'none', 'mtp k=3', 'wmtp k=3 S=16 W=4096': the step file's arm and draft settings, as the figures name them."""
+    return series_label({"arm": row.get("arm"), "k": row.get("k"), "sink": row.get("S"), "window": row.get("W")})
+
+
+def _numeric(frame: pd.DataFrame, column: str) -> pd.Series:
+    if column not in frame.columns:
+        return pd.Series(math.nan, index=frame.index, dtype=float)
+    return pd.to_numeric(frame[column], errors="coerce").astype(float)
+
+
+def engine_cycles(steps: pd.DataFrame | None) -> pd.DataFrame:
+    """One row per (model, engine version, batch, series, context): the cycle by the engine's clock with its lowest
+    and highest request, and by the client's clock; sorted by arm, then context."""
+    need = {"arm", "k", "context", "batch", "step_ms", "engine_version", "model"}
+    if steps is None or steps.empty or not need <= set(steps.columns):
+        return pd.DataFrame()
+    out = pd.DataFrame(
+        {
+            "model": steps["model"],
+            "engine": "vLLM " + steps["engine_version"].astype(str),
+            "batch": steps["batch"].astype(int),
+            "arm": steps["arm"].astype(str),
+            "series": [_series(r) for _, r in steps.iterrows()],
+            "tokens": steps["context"].astype(int),
+            "context": [context_label(c) for c in steps["context"]],
+            "step_ms": _numeric(steps, "step_ms"),
+            "step_ms_min": _numeric(steps, "step_ms_min"),
+            "step_ms_max": _numeric(steps, "step_ms_max"),
+            "client_step_ms": _numeric(steps, "client_step_ms"),
+            "clock_disagreement_max": _numeric(steps, "clock_disagreement_max"),
+            "clock": steps["clock"].astype(str) if "clock" in steps.columns else "client",
+        }
+    )
+    return arm_order(out).sort_values(["model", "engine", "batch"], kind="stable").reset_index(drop=True)
+
+
+def clock_check_section(steps: pd.DataFrame | None, limit: float = CLOCK_DISAGREEMENT_LIMIT) -> Section:
+    """Every shape whose largest disagreement between one request's two decode windows exceeds ``limit``: both
+    cycles, the client's relative to the engine's, and that largest disagreement. The note says which clock the
+    report uses; an empty table (the clocks agree within ``limit``) still gets it."""
+    cycles = engine_cycles(steps)
+    if cycles.empty:
+        return Section()
+    over = cycles[cycles["clock_disagreement_max"] > limit]
+    table = pd.DataFrame(
+        {
+            "model": over["model"],
+            "engine": over["engine"],
+            "series": over["series"],
+            "context": over["context"],
+            "engine's cycle (ms)": over["step_ms"].round(2),
+            "client's cycle (ms)": over["client_step_ms"].round(2),
+            "client vs engine, median (%)": (100 * (over["client_step_ms"] / over["step_ms"] - 1)).round(1),
+            "largest disagreement of one request (%)": (100 * over["clock_disagreement_max"]).round(1),
+        }
+    ).reset_index(drop=True)
+    return Section(table, (clock_sentence(steps, limit),))
+
+
+def clock_sentence(steps: pd.DataFrame | None, limit: float = CLOCK_DISAGREEMENT_LIMIT) -> str:
+    """One sentence: the engine's clock times every cycle, and how far the client's strayed from it."""
+    cycles = engine_cycles(steps)
+    if cycles.empty:
+        return ""
+    over = cycles[cycles["clock_disagreement_max"] > limit]
+    used = (
+        "Every cycle in this report is timed by the engine's own clock (vLLM's per-request first-to-last-token "
+        "time), not by the client's"
+    )
+    if over.empty:
+        return f"{used}; no shape's two clocks differed by more than {100 * limit:.0f} % in any request."
+    shorter = over["client_step_ms"] < over["step_ms"]
+    side = "shorter" if shorter.all() else "longer" if not shorter.any() else "apart"
+    return (
+        f"{used}; in {_count(len(over), 'shape')} one request's two decode windows differed by more than "
+        f"{100 * limit:.0f} % "
+        f"(at most {100 * over['clock_disagreement_max'].max():.1f} %, the client's reading {side}), listed here."
+    )
+
+
+def growth_check_section(steps: pd.DataFrame | None) -> Section:
+    """The step file's growth check: each shape's growth from the same configuration's next shorter context beside
+    the least its extra bytes allow, flagged where it is below that floor, and whether the growth was taken within
+    servers that measured both contexts or between the medians of different servers (which can differ by more
+    than the growth itself)."""
+    if steps is None or steps.empty or "growth_ms" not in steps.columns:
+        return Section()
+    rows = []
+    has_servers = "growth_servers" in steps.columns
+    for (model, version, batch, series), group in steps.assign(
+        series=[_series(r) for _, r in steps.iterrows()]
+    ).groupby(["model", "engine_version", "batch", "series"], sort=False):
+        ordered = group.sort_values("context")
+        for (_, shorter), (_, longer) in zip(ordered.iterrows(), ordered.iloc[1:].iterrows(), strict=False):
+            growth, floor = _value(longer, "growth_ms"), _value(longer, "growth_floor_ms")
+            if math.isnan(growth):
+                continue
+            servers = int(_value(longer, "growth_servers")) if has_servers else None
+            where = (
+                "not recorded"
+                if servers is None
+                else f"within {_count(servers, 'server')}"
+                if servers > 0
+                else "across servers (medians of different servers)"
+            )
+            below = not math.isnan(floor) and growth < floor
+            rows.append(
+                {
+                    "model": model,
+                    "engine": f"vLLM {version}",
+                    "batch": int(batch),
+                    "series": series,
+                    "from → to": f"{context_label(shorter['context'])} → {context_label(longer['context'])}",
+                    "growth (ms)": round(growth, 2),
+                    "floor of the growth (ms)": round(floor, 2),
+                    "check": f"{'below' if below else 'at or above'} its floor, {where}",
+                }
+            )
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return Section()
+    return Section(frame, (growth_sentence(frame),))
+
+
+def growth_sentence(frame: pd.DataFrame) -> str:
+    """One sentence over :func:`growth_check_section`'s table: how many growths fall below their floor, and where."""
+    below = frame[frame["check"].str.startswith("below")]
+    if below.empty:
+        return (
+            f"Each of the {_count(len(frame), 'growth')} from one context to the next is at least the least its "
+            "extra bytes allow at the GPU's peak bandwidth."
+        )
+    across = int(below["check"].str.contains("across servers").sum())
+    return (
+        f"{len(below)} of {_count(len(frame), 'growth')} fall below the least their extra bytes allow, "
+        f"{across} of them taken across servers (which differ by more than a context's extra bytes take) and "
+        f"{len(below) - across} within a server, where the floor is a real test."
+    )

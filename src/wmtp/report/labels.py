@@ -253,38 +253,46 @@ def fmt_ci(point: float, lo: float, hi: float, *, null: float | None = None) -> 
 # Figure styles: the same series looks the same in every figure of a report
 # --------------------------------------------------------------------------------------------------
 
-#: Per arm: a matplotlib colormap whose shades tell that arm's series apart, and a marker.
-ARM_STYLES: dict[str, tuple[str, str]] = {
-    "none": ("Greys", "o"),
-    "mtp": ("Blues", "s"),
-    "wmtp": ("Oranges", "^"),
-    "wmtp-ring": ("Greens", "D"),
+#: The one colour and marker of each arm, in every figure of a report: a reader learns them once and reads
+#: every figure by them. Series of one arm (several k, windows or models) differ by line style instead.
+ARM_COLORS: dict[str, str] = {
+    "none": "#555555",
+    "mtp": "#1f77b4",
+    "wmtp": "#e6740f",
+    "wmtp-ring": "#2a9d3a",
 }
-OTHER_ARM_STYLE = ("Purples", "v")
+ARM_MARKERS: dict[str, str] = {"none": "o", "mtp": "s", "wmtp": "^", "wmtp-ring": "D"}
+OTHER_ARM_COLOR, OTHER_ARM_MARKER = "#8c5fb7", "v"
+#: The ratio mtp / wmtp by each source (the headline figure): colours no arm has, so no line reads as one arm's.
+RATIO_SOURCE_COLORS: dict[str, str] = {"engine mtp / wmtp": "#111111", "replica": "#b2182b", "cost model": "#8c6d31"}
+#: Line styles that tell one arm's series apart, in the order of their k, sink, window.
+SERIES_LINESTYLES: tuple[str, ...] = ("-", "--", "-.", ":")
+
+
+def arm_style(arm: Any) -> dict[str, str]:
+    """``{color, marker}`` of ``arm``: the only place a figure takes an arm's colour or marker from."""
+    name = str(arm)
+    return {"color": ARM_COLORS.get(name, OTHER_ARM_COLOR), "marker": ARM_MARKERS.get(name, OTHER_ARM_MARKER)}
+
+
+def arm_of(label: str) -> str:
+    """The arm a series label names first ('wmtp-ring k=3 S=16 W=128' → 'wmtp-ring')."""
+    return str(label).split(" ", 1)[0]
 
 
 def series_styles(frame: pd.DataFrame, key: str = "series") -> dict[str, dict[str, Any]]:
     """``name → {color, marker, ls}`` for every series of ``frame`` (which has ``key``, ``arm`` and the
     series keys, e.g. the labelled overview), named by its ``key`` column (default ``series``, so a series
-    looks the same in every model's panel): one hue per arm (none grey, mtp blue, wmtp orange, wmtp-ring
-    green), darker shades for larger k within an arm, one marker per arm, wmtp-ring dashed."""
-    import matplotlib as mpl
-
+    looks the same in every model's panel): its arm's colour and marker (:func:`arm_style`), and a line
+    style per series within the arm, in the order of k, sink and window."""
     if frame.empty or key not in frame.columns:
         return {}
     sort = [c for c in ("k", "sink", "window", "concurrency", "model", "engine") if c in frame.columns]
     styles: dict[str, dict[str, Any]] = {}
     for arm, group in frame.groupby("arm", sort=False, dropna=False):
-        cmap_name, marker = ARM_STYLES.get(str(arm), OTHER_ARM_STYLE)
         labels = list(dict.fromkeys(group.sort_values(sort, na_position="first", kind="stable")[key]))
-        shades = [0.7] if len(labels) == 1 else np.linspace(0.5, 0.95, len(labels))
-        cmap = mpl.colormaps[cmap_name]
-        for label, shade in zip(labels, shades, strict=True):
-            styles[label] = {
-                "color": mpl.colors.to_hex(cmap(float(shade))),
-                "marker": marker,
-                "ls": "--" if arm == "wmtp-ring" else "-",
-            }
+        for i, label in enumerate(labels):
+            styles[label] = {**arm_style(arm), "ls": SERIES_LINESTYLES[i % len(SERIES_LINESTYLES)]}
     return styles
 
 

@@ -26,7 +26,7 @@ import pandas as pd
 from wmtp.analyze.analysis import WINDOWED_ARMS
 from wmtp.analyze.intervals import Interval, mean_interval, paired_difference_interval
 from wmtp.config import COPY_LEAD_TOKENS
-from wmtp.report.labels import series_label
+from wmtp.report.labels import SERIES_LINESTYLES, arm_style, series_label
 from wmtp.report.load import Section
 
 COPY_WORKLOAD = "copy"
@@ -276,29 +276,32 @@ def draft_label(row: pd.Series, frame: pd.DataFrame) -> str:
     )
 
 
-SERIES_MARKERS = ("o", "s", "^", "D", "v")
-
-
 def window_cost_figure(section: Section):
-    """Acceptance (with its interval) against distance / W, one line per windowed draft; the full draft's
-    acceptance at each distance as grey marks at W's reach (distance / W = 1 is the window's edge)."""
+    """Acceptance (with its interval) against distance / W, one line per windowed draft in its arm's colour and
+    marker; the full draft's acceptance at each distance as open marks of its own arm's style at W's reach
+    (distance / W = 1 is the window's edge)."""
     import matplotlib.pyplot as plt
 
     f = section.frame
     fig, ax = plt.subplots(figsize=(7, 4))
     settings = setting_keys(f)
     windowed = f[f["window"].notna()]
+    full_style = arm_style(FULL_DRAFT_ARM)
     for i, (key, g) in enumerate(windowed.groupby([*settings, "arm", "sink", "window"], sort=True)):
         g = g.sort_values("distance_over_window")
         x, y = g["distance_over_window"], 100 * g["acceptance"]
         err = [y - 100 * g["lo"], 100 * g["hi"] - y]
-        # Drafts that accept the same (the ring and wmtp at one S and W do, by design) would hide one another:
-        # each later series is drawn thinner, with a smaller marker of another shape, so the one beneath shows.
+        # Drafts that accept the same (the ring and wmtp at one S and W do, by design; two windows of one arm
+        # may too) would hide one another: each later series is drawn thinner, with a smaller marker and another
+        # line style, so the one beneath shows. Colour and marker stay the arm's.
+        style = arm_style(g["arm"].iloc[0])
         ax.errorbar(
             x,
             y,
             yerr=err,
-            marker=SERIES_MARKERS[i % len(SERIES_MARKERS)],
+            color=style["color"],
+            marker=style["marker"],
+            linestyle=SERIES_LINESTYLES[i % len(SERIES_LINESTYLES)],
             markersize=max(3.0, 9.0 - 2.0 * i),
             linewidth=max(0.8, 2.4 - 0.6 * i),
             capsize=3,
@@ -308,13 +311,23 @@ def window_cost_figure(section: Section):
         for column, value in zip(settings, key[: len(settings)], strict=True):
             same &= f[column] == value
         full = f[same].set_index("rung")["acceptance"]
-        ax.scatter(x, [100 * full.get(r, np.nan) for r in g["rung"]], marker="_", s=200, color="grey")
+        ax.plot(
+            x,
+            [100 * full.get(r, np.nan) for r in g["rung"]],
+            linestyle="none",
+            marker=full_style["marker"],
+            color=full_style["color"],
+            markerfacecolor="none",
+            markersize=8,
+            label=f"_{FULL_DRAFT_ARM} at the same prompts",
+            gid=f"arm:{FULL_DRAFT_ARM}",  # unlabelled, yet its arm's: a style check finds it by this
+        )
     ax.axvline(1.0, color="black", linewidth=0.8, linestyle=":")
     ax.set_xscale("log")
     ax.set_ylim(-4, 104)
     ax.set_xlabel("distance back to the copied passage / W (tokens / tokens)")
     ax.set_ylabel("accepted / drafted tokens (%)")
-    ax.set_title("What the window costs on the copy task (grey: the full draft at the same prompts)", fontsize=10)
+    ax.set_title("What the window costs on the copy task (open: the full draft at the same prompts)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -15,7 +15,7 @@ import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
@@ -31,9 +31,31 @@ WINDOWED_ARMS = ("wmtp", "wmtp-ring")
 # requests under two engines stay within minutes on two cores.
 ADMISSION_MAX_LEN = 4096
 ENGINE_KINDS = ("vllm", "sglang")
-# What the protocol's ``workloads`` may name: plain code (the Spark study's) and the hard / low-acceptance copy task,
-# whose prompt is a lead-in, a passage, filler, then the passage's first tokens as a cue.
-WORKLOADS = ("code", "copy")
+# What the protocol's ``workloads`` may name: plain code (the Spark study's), the hard / low-acceptance copy task,
+# whose prompt is a lead-in, a passage, filler, then the passage's first tokens as a cue, and three seeded RULER-style
+# question-answering tasks (wmtp.measure.ruler): needle-in-a-haystack multi-query, frequent-words extraction and
+# common-words extraction. The Literal is the one spelling; the tuple and the JSON schema's enum follow it.
+Workload = Literal["code", "copy", "niah_multiquery", "fwe", "cwe"]
+WORKLOADS: tuple[str, ...] = get_args(Workload)
+# The question-answering workloads: their requests honour EOS (the answer ends when the model says so, at most
+# protocol.output_tokens), and each request records its expected answer and the output's recall of it.
+RULER_WORKLOADS = ("niah_multiquery", "fwe", "cwe")
+# The tasks' shapes: 48 needles (key → 7-digit number), every key asked for; the 30 most frequent words of a text
+# drawn from a Zipf law (alpha 2) over a synthetic vocabulary; the 10 words a list repeats 30 times among words it
+# repeats 3 times.
+NIAH_KEYS = 48
+NIAH_QUERIES = 48
+FWE_TOP = 30
+FWE_ALPHA = 2.0
+CWE_COMMON = 10
+CWE_COMMON_REPEATS = 30
+CWE_UNCOMMON_REPEATS = 3
+# How the question-answering prompts are built, named so that changing the construction reruns the cells that
+# measured the old prompts (wmtp.measure.identity). Change the name with the construction.
+RULER_TASK_PROMPTS = "seeded needles in standard-library source; zipf words with a rank ladder; numbered word list"
+# The shortest rung each question-answering task fits in: the needles and the question, the top words' counts, the
+# common words' repeats, each with room left for the haystack, the tail or the uncommon words.
+RULER_MIN_TOKENS = 4096
 COPY_LEAD_TOKENS = 512
 COPY_PASSAGE_TOKENS = 256
 COPY_CUE_TOKENS = 32
@@ -148,8 +170,11 @@ class ProtocolSpec(_Strict):
     health_timeout_s: float = 900.0
     request_timeout_s: float = 3600.0
     idle_baseline_s: float = 0.0
-    # Every rung is measured once per workload: plain code, and the copy task (far-back passage).
-    workloads: list[Literal["code", "copy"]] = Field(default_factory=lambda: ["code"])
+    # Every rung is measured once per workload: plain code, the copy task (far-back passage), the QA tasks.
+    workloads: list[Workload] = Field(default_factory=lambda: ["code"])
+    # A repetition penalty on every request's sampling (draft and target alike: the engine applies it to the
+    # distribution both are checked against); None: the engine's default (none).
+    repetition_penalty: float | None = None
     # Ask for token ids and top-2 logprobs of every generated token (for equality tests; adds overhead).
     record_tokens: bool = False
     # "raw": the prompt text as it is (/v1/completions); "chat": one user message through the model's chat template,
@@ -163,6 +188,8 @@ class ProtocolSpec(_Strict):
         data = handler(self)
         if data.get("servers") == 1:
             data.pop("servers", None)
+        if data.get("repetition_penalty") is None:
+            data.pop("repetition_penalty", None)
         if data.get("prompt_format") == "raw" and not data.get("chat_template_kwargs"):
             data.pop("prompt_format", None)
             data.pop("chat_template_kwargs", None)
@@ -541,6 +568,13 @@ def _check_protocol(protocol: Mapping[str, Any], models: list[Mapping[str, Any]]
                 f"config: protocol.rungs[{j}] = {rung} is too short for the copy workload (a {COPY_LEAD_TOKENS}-"
                 f"token lead-in, a {COPY_PASSAGE_TOKENS}-token passage and its cue need ≥ {COPY_MIN_TOKENS} "
                 f"tokens); raise the rung or drop 'copy' from protocol.workloads"
+            )
+        short = [w for w in RULER_WORKLOADS if w in workloads and rung < RULER_MIN_TOKENS]
+        if short:
+            raise ConfigError(
+                f"config: protocol.rungs[{j}] = {rung} is too short for the {short[0]} workload (its question, its "
+                f"answer's items and the text around them need ≥ {RULER_MIN_TOKENS} tokens); raise the rung or drop "
+                f"{short[0]!r} from protocol.workloads"
             )
 
 

@@ -72,6 +72,14 @@ class EngineAdapter(ABC):
         reason if not); what it returns is merged into the manifest. Nothing to prove by default."""
         return {}
 
+    def sampling_fields(self, protocol: Any) -> dict[str, Any]:
+        """Request-body fields for the protocol's sampling settings beyond the OpenAI schema's: the repetition
+        penalty, where the protocol sets one (vLLM's and SGLang's OpenAI servers both take ``repetition_penalty``
+        and apply it to the distribution the draft's tokens are verified against). Nothing at the defaults, so a
+        protocol without them sends the requests it always sent."""
+        penalty = getattr(protocol, "repetition_penalty", None)
+        return {} if penalty is None else {"repetition_penalty": penalty}
+
     def request_fields(self, extensions: Mapping[str, Any]) -> dict[str, Any]:
         """Columns of requests.parquet taken from a response's non-OpenAI fields."""
         return {}

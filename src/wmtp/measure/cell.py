@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from wmtp import layout
-from wmtp.config import Cell, Study
+from wmtp.config import RULER_WORKLOADS, Cell, Study
 from wmtp.engines import EngineAdapter, ServeRequest, adapter
 from wmtp.engines.build import check_built_as
 from wmtp.layout import REPO_ROOT
@@ -36,6 +36,7 @@ from wmtp.measure.counters import delta
 from wmtp.measure.identity import cell_identity, check_identity, identity_hash
 from wmtp.measure.lock import device_key, device_lock
 from wmtp.measure.power import EnergyWindow, PowerMeter, open_meter
+from wmtp.measure.ruler import score
 from wmtp.measure.server import PortTaken, ServerProcess, free_port
 from wmtp.measure.workload import PromptFactory, PromptTask, chat_settings, copied_tokens, workload_task
 from wmtp.plugin import source_sha256
@@ -189,7 +190,9 @@ def _measure(
 
     A copy-task request also records where its passage sat (``distance``, tokens back from the prompt's end)
     and how many tokens of it the output reproduced (``copied_tokens``, counted with ``count_tokens``): a copy
-    task the target does not copy cannot show what a window costs.
+    task the target does not copy cannot show what a window costs. A question-answering request records the items
+    of its right answer (``expected_answer``) and the fraction of them its output names (``answer_recall``): a
+    draft changes how fast the target answers, never what it answers, and this column is where that shows.
     """
     prompts = [task.text for task in tasks]
     per_request_windows = len(prompts) == 1 and not warmup and meter.available
@@ -219,10 +222,13 @@ def _measure(
                 max_tokens,
                 temperature=run.protocol.temperature,
                 logprobs=2 if run.protocol.record_tokens else None,
+                # A question is answered when the model says so (at most max_tokens); other workloads run to
+                # max_tokens, so that every request of a rung decodes the same number of tokens.
+                ignore_eos=workload not in RULER_WORKLOADS,
                 timeout_s=run.protocol.request_timeout_s,
                 on_first_token=first_token,
                 client=client,
-                extra_body=engine.request_extra,
+                extra_body={**(engine.request_extra or {}), **engine.sampling_fields(run.protocol)},
                 chat=chat_settings(run.study, run.cell.model),
             )
             if per_request_windows:
@@ -259,6 +265,8 @@ def _measure(
         rows[-1]["copied_tokens"] = (
             copied_tokens(count_tokens, result.text, task.continuation) if count_tokens is not None else None
         )
+        rows[-1]["expected_answer"] = list(task.answer) if task.answer is not None else None
+        rows[-1]["answer_recall"] = score(workload, result.text, task.answer) if task.answer is not None else None
     if per_request_counters and counters_before:
         after = settled_counters(engine, base_url, counters_before, len(prompts))
         # Raw differences, negative ones included: a counter that went backwards is screened out downstream.

@@ -20,7 +20,16 @@ from wmtp.config import (
     COPY_LEAD_TOKENS,
     COPY_PASSAGE_TOKENS,
     COPY_TASK_PROMPTS,
+    CWE_COMMON,
+    CWE_COMMON_REPEATS,
+    CWE_UNCOMMON_REPEATS,
     DRAFTING_ARMS,
+    FWE_ALPHA,
+    FWE_TOP,
+    NIAH_KEYS,
+    NIAH_QUERIES,
+    RULER_TASK_PROMPTS,
+    RULER_WORKLOADS,
     WINDOWED_ARMS,
     Cell,
     ConfigError,
@@ -43,8 +52,9 @@ class IdentityMismatch(RuntimeError):
 
 
 def protocol_identity(study: Study) -> dict[str, Any]:
-    """The protocol's measured settings, and the copy task's shape where the study runs it: its prompts are
-    built by code, not read from the study file, so a change there must change the identity too."""
+    """The protocol's measured settings, and the copy task's and the question-answering tasks' shapes where the
+    study runs them: their prompts are built by code, not read from the study file, so a change there must change
+    the identity too."""
     protocol = study.protocol.model_dump(mode="json")
     identity = {key: value for key, value in sorted(protocol.items()) if key not in (*NOT_MEASURED, *PER_CELL)}
     if "copy" in protocol["workloads"]:
@@ -53,6 +63,16 @@ def protocol_identity(study: Study) -> dict[str, Any]:
             "passage_tokens": COPY_PASSAGE_TOKENS,
             "cue_tokens": COPY_CUE_TOKENS,
             "prompts": COPY_TASK_PROMPTS,
+        }
+    if any(workload in RULER_WORKLOADS for workload in protocol["workloads"]):
+        identity["ruler_tasks"] = {
+            "niah_keys": NIAH_KEYS,
+            "niah_queries": NIAH_QUERIES,
+            "fwe_top": FWE_TOP,
+            "fwe_alpha": FWE_ALPHA,
+            "cwe_common": CWE_COMMON,
+            "cwe_repeats": [CWE_COMMON_REPEATS, CWE_UNCOMMON_REPEATS],
+            "prompts": RULER_TASK_PROMPTS,
         }
     return identity
 

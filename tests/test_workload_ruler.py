@@ -1,0 +1,262 @@
+"""The question-answering workloads: exact lengths, seeded prompts, answers that the prompt really holds, recall."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+
+from wmtp.config import (
+    CWE_COMMON,
+    CWE_COMMON_REPEATS,
+    CWE_UNCOMMON_REPEATS,
+    FWE_TOP,
+    NIAH_KEYS,
+    NIAH_QUERIES,
+    RULER_MIN_TOKENS,
+    RULER_WORKLOADS,
+    ConfigError,
+    study_from_dict,
+)
+from wmtp.measure.ruler import answer_recall, cwe_task, fwe_counts, fwe_task, niah_multiquery_task, ruler_task, score
+from wmtp.measure.workload import PromptFactory, PromptLengthError, workload_task
+
+
+@pytest.fixture(scope="module")
+def factory(tiny_tokenizer) -> PromptFactory:
+    return PromptFactory(tiny_tokenizer)
+
+
+LENGTHS = [RULER_MIN_TOKENS, 5000, 8191, 12288]
+
+
+@pytest.mark.parametrize("workload", RULER_WORKLOADS)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_exact_length_as_the_server_counts_it(factory, workload, n):
+    task = ruler_task(factory, workload, n, 0, salt="measure")
+    assert len(factory.encode(task.text)) == n
+    assert task.answer
+
+
+@pytest.mark.parametrize("workload", RULER_WORKLOADS)
+def test_seeded_per_salt_index_and_length(factory, workload):
+    one = ruler_task(factory, workload, 4500, 1, salt="s")
+    assert ruler_task(factory, workload, 4500, 1, salt="s") == one
+    others = [
+        ruler_task(factory, workload, 4500, 2, salt="s"),
+        ruler_task(factory, workload, 4500, 1, salt="t"),
+        ruler_task(factory, workload, 4501, 1, salt="s"),
+    ]
+    for other in others:
+        assert other.text != one.text
+        assert other.answer != one.answer
+
+
+def test_workload_task_carries_the_answer_and_code_and_copy_none(factory):
+    n = RULER_MIN_TOKENS
+    for workload in RULER_WORKLOADS:
+        task = workload_task(factory, workload, n, 0, salt=f"measure/{n}")
+        assert len(factory.encode(task.text)) == n and task.answer
+        assert task.continuation is None and task.distance is None
+    assert workload_task(factory, "code", n, 0, salt="measure").answer is None
+    assert workload_task(factory, "copy", n, 0, salt="measure").answer is None
+
+
+def test_the_chat_template_counts_too(tiny_tokenizer, tmp_path):
+    # A checkpoint with a chat template of its own: the prompt is the content that the template makes n tokens long.
+    import json
+    import shutil
+
+    shutil.copy(tiny_tokenizer, tmp_path / "tokenizer.json")
+    template = "<|user|>\n{{ messages[0]['content'] }}\n<|assistant|>\n"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    chat = PromptFactory(tmp_path / "tokenizer.json", chat={})
+    for workload in RULER_WORKLOADS:
+        task = ruler_task(chat, workload, 6000, 0, salt="chat")
+        assert chat.length(task.text) == 6000
+        assert len(chat.encode(task.text)) < 6000  # the template's tokens are part of the count
+
+
+# --- needle in a haystack ------------------------------------------------------------------------------------------
+
+NEEDLE = re.compile(r"^One of the special magic numbers for ([a-z]+-[a-z]+) is: (\d{7})\.$", re.MULTILINE)
+
+
+@pytest.mark.parametrize("n", [RULER_MIN_TOKENS, 9000])
+def test_niah_needles_are_in_the_haystack_and_the_answer_is_theirs(factory, n):
+    task = niah_multiquery_task(factory, n, 3, salt="t")
+    needles = dict(NEEDLE.findall(task.text))
+    assert len(needles) == NIAH_KEYS == len(set(needles.values()))
+    assert len(task.answer) == NIAH_QUERIES
+    # The question names the keys in the answer's order; each expected number is that key's needle.
+    question = task.text[task.text.rindex("What are the special magic numbers for ") :]
+    asked = re.findall(r"[a-z]+-[a-z]+", question)
+    assert len(asked) == NIAH_QUERIES and set(asked) <= set(needles)
+    assert [needles[key] for key in asked] == list(task.answer)
+    # Spread through the haystack, not bunched at one end: needles in each third of the prompt.
+    where = [task.text.index(f"for {key} is:") / len(task.text) for key in needles]
+    assert min(where) < 1 / 3 and max(where) > 2 / 3 and any(1 / 3 < w < 2 / 3 for w in where)
+
+
+def test_niah_fewer_queries_ask_for_a_subset(factory):
+    task = niah_multiquery_task(factory, 4200, 0, salt="t", queries=4)
+    needles = dict(NEEDLE.findall(task.text))
+    assert len(task.answer) == 4 and set(task.answer) < set(needles.values())
+
+
+def test_niah_refuses_a_prompt_too_short_for_its_needles(factory):
+    with pytest.raises(PromptLengthError, match="cannot hold 48 needles"):
+        niah_multiquery_task(factory, 1024, 0)
+
+
+# --- frequent words ------------------------------------------------------------------------------------------------
+
+
+def _coded_words(text: str) -> Counter:
+    """The coded text's words, counted here on their own: between the instructions and the question, dots aside."""
+    body = text.split("\n\n", 1)[1].rsplit("\n\nQuestion:", 1)[0]
+    return Counter(word for word in body.split() if word.strip("."))
+
+
+@pytest.mark.parametrize("n", [RULER_MIN_TOKENS, 8192, 16384])
+def test_fwe_answer_is_the_most_frequent_words_of_the_text(factory, n):
+    task = fwe_task(factory, n, 0, salt="t")
+    counts = _coded_words(task.text)
+    assert len(task.answer) == FWE_TOP
+    ranked = counts.most_common()
+    # The answer is the top words, most frequent first, and the next word is strictly less frequent.
+    assert [word for word, _ in ranked[:FWE_TOP]] == list(task.answer)
+    assert ranked[FWE_TOP - 1][1] > ranked[FWE_TOP][1]
+    assert len({c for _, c in ranked[:FWE_TOP]}) == FWE_TOP
+    # Many other words: a long tail to search through, not the answer alone.
+    assert len(counts) > 3 * FWE_TOP
+
+
+def test_fwe_counts_follow_the_zipf_law_with_a_ladder():
+    counts = fwe_counts(100_000, 500)
+    # Where the law gives distinct counts, they are the law's: rank r ≈ N r^-2 / zeta(2).
+    assert counts[1] == int(100_000 / 4 / (3.141592653589793**2 / 6))
+    assert counts[9] == int(100_000 / 100 / (3.141592653589793**2 / 6))
+    # With few words, the ladder keeps the answer's ranks (2 … 31) distinct and above the rest.
+    small = fwe_counts(200, 100)
+    assert all(small[r] > small[r + 1] for r in range(1, FWE_TOP + 1))
+    assert small[FWE_TOP + 1] < small[FWE_TOP]
+
+
+# --- common words --------------------------------------------------------------------------------------------------
+
+
+def _listed(text: str) -> Counter:
+    return Counter(re.findall(r"^\d+\. ([a-z]+)$", text, re.MULTILINE))
+
+
+@pytest.mark.parametrize("n", [RULER_MIN_TOKENS, 8192, 16384])
+def test_cwe_answer_is_the_words_the_list_repeats_most(factory, n):
+    task = cwe_task(factory, n, 0, salt="t")
+    counts = _listed(task.text)
+    assert len(task.answer) == CWE_COMMON == len(set(task.answer))
+    assert all(counts[word] >= CWE_COMMON_REPEATS for word in task.answer)
+    others = [c for word, c in counts.items() if word not in task.answer]
+    assert max(others) <= CWE_UNCOMMON_REPEATS + 1 < CWE_COMMON_REPEATS
+    assert sum(1 for c in others if c == CWE_UNCOMMON_REPEATS) >= CWE_COMMON
+    # The list is numbered 1, 2, 3 … in order.
+    numbers = [int(m) for m in re.findall(r"^(\d+)\. ", task.text, re.MULTILINE)]
+    assert numbers == list(range(1, len(numbers) + 1))
+
+
+def test_cwe_refuses_a_prompt_too_short_for_its_common_words(factory):
+    with pytest.raises(PromptLengthError, match="cannot hold the cwe task"):
+        cwe_task(factory, 1500, 0)
+
+
+# --- scoring -------------------------------------------------------------------------------------------------------
+
+
+def test_recall_is_the_fraction_of_items_named():
+    answer = ("4821937", "1022334", "9988776", "5550001")
+    assert answer_recall("4821937\n1022334\n9988776\n5550001", answer) == 1.0
+    assert answer_recall("amber-anchor: 4821937, brave-badge: 9988776", answer) == 0.5
+    assert answer_recall("I do not know.", answer) == 0.0
+    assert answer_recall("Tomaro, PIKEL and zunda", ("tomaro", "pikel", "brisk")) == pytest.approx(2 / 3)
+    assert score("cwe", "tomaro pikel", ("tomaro", "pikel")) == 1.0
+    with pytest.raises(ValueError):
+        score("copy", "x", ("x",))
+    with pytest.raises(ValueError):
+        answer_recall("x", ())
+
+
+def test_a_right_answer_to_a_generated_task_scores_one_and_a_wrong_one_zero(factory):
+    task = niah_multiquery_task(factory, RULER_MIN_TOKENS, 0, salt="t")
+    needles = dict(NEEDLE.findall(task.text))
+    reply = "\n".join(f"{key}: {value}" for key, value in needles.items())
+    assert score("niah_multiquery", reply, task.answer) == 1.0
+    half = reply.splitlines()
+    kept = [line for line in half if line.split(": ")[1] in task.answer[: NIAH_QUERIES // 2]]
+    assert score("niah_multiquery", "\n".join(kept), task.answer) == 0.5
+    assert score("niah_multiquery", "1234567", task.answer) == 0.0
+
+
+# --- the study's protocol ------------------------------------------------------------------------------------------
+
+
+def test_the_protocol_accepts_the_qa_workloads_and_a_repetition_penalty(embedded_raw):
+    embedded_raw["protocol"].update(rungs=[RULER_MIN_TOKENS, 16384], repeats=[2, 2])
+    embedded_raw["protocol"]["workloads"] = ["code", *RULER_WORKLOADS]
+    embedded_raw["protocol"]["repetition_penalty"] = 1.15
+    study = study_from_dict(embedded_raw)
+    assert study.protocol.workloads == ["code", "niah_multiquery", "fwe", "cwe"]
+    assert study.protocol.repetition_penalty == 1.15
+
+
+@pytest.mark.parametrize("workload", RULER_WORKLOADS)
+def test_a_rung_too_short_for_a_qa_task_is_refused(embedded_raw, workload):
+    embedded_raw["protocol"]["rungs"] = [1024, 4096, 16384]
+    embedded_raw["protocol"]["workloads"] = ["code", workload]
+    with pytest.raises(ConfigError) as info:
+        study_from_dict(embedded_raw)
+    message = str(info.value)
+    assert "protocol.rungs[0] = 1024" in message and f"too short for the {workload} workload" in message
+    assert f"≥ {RULER_MIN_TOKENS}" in message
+    embedded_raw["protocol"]["workloads"] = ["code"]
+    assert study_from_dict(embedded_raw).protocol.rungs[0] == 1024
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "high"])
+def test_a_repetition_penalty_must_be_a_positive_number(embedded_raw, bad):
+    embedded_raw["protocol"]["repetition_penalty"] = bad
+    with pytest.raises(ConfigError, match="repetition_penalty"):
+        study_from_dict(embedded_raw)
+
+
+def test_the_schema_and_the_protocol_name_the_same_workloads():
+    import yaml
+
+    from wmtp.config import SCHEMA_PATH, WORKLOADS
+
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    assert tuple(schema["properties"]["protocol"]["properties"]["workloads"]["items"]["enum"]) == WORKLOADS
+    assert set(RULER_WORKLOADS) < set(WORKLOADS)
+
+
+def test_a_protocol_without_a_penalty_keeps_its_identity(embedded_raw):
+    from wmtp.measure.identity import protocol_identity
+
+    study = study_from_dict(embedded_raw)
+    assert "repetition_penalty" not in study.protocol.model_dump(mode="json")
+    assert "ruler_tasks" not in protocol_identity(study)
+    embedded_raw["protocol"]["repetition_penalty"] = 1.15
+    embedded_raw["protocol"].update(rungs=[RULER_MIN_TOKENS], repeats=[2], workloads=["fwe"])
+    penalised = protocol_identity(study_from_dict(embedded_raw))
+    assert penalised["repetition_penalty"] == 1.15 and penalised["ruler_tasks"]["fwe_top"] == FWE_TOP
+
+
+def test_engines_send_the_penalty_only_when_the_protocol_sets_one(embedded_raw):
+    from wmtp.engines import adapter
+
+    plain = study_from_dict(embedded_raw).protocol
+    embedded_raw["protocol"]["repetition_penalty"] = 1.15
+    penalised = study_from_dict(embedded_raw).protocol
+    for kind in ("vllm", "sglang"):
+        assert adapter(kind).sampling_fields(plain) == {}
+        assert adapter(kind).sampling_fields(penalised) == {"repetition_penalty": 1.15}

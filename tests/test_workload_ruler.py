@@ -260,3 +260,66 @@ def test_engines_send_the_penalty_only_when_the_protocol_sets_one(embedded_raw):
     for kind in ("vllm", "sglang"):
         assert adapter(kind).sampling_fields(plain) == {}
         assert adapter(kind).sampling_fields(penalised) == {"repetition_penalty": 1.15}
+
+
+# --- one cell on the real server -----------------------------------------------------------------------------------
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(900)
+def test_niah_cell_on_the_real_server(engine_python, tmp_path):
+    """One mtp cell answering one needle-in-a-haystack prompt with a repetition penalty: the request stops at EOS
+    or the cap, the record holds the expected answer (the prompt's own needles) and a recall in [0, 1], and the
+    draft still drafts."""
+    import json
+    from pathlib import Path
+
+    import pandas as pd
+    from conftest import REPO, engines_dir
+
+    from wmtp.config import load_study
+    from wmtp.measure.cell import CellRun, run_cell
+    from wmtp.model.train import install_fixture
+
+    fixture = REPO / "tests" / "fixtures" / "tiny-trained"
+    model_dir = tmp_path / "model"
+    install_fixture(model_dir, fixture, seed=0)
+    raw = load_study(REPO / "config" / "config.yaml").model_dump(mode="json", exclude_none=True)
+    raw.update(
+        study="niah",
+        results_dir=str(tmp_path / "results"),
+        engines_dir=str(engines_dir()),
+        models=[{"name": "tiny", "path": str(model_dir), "max_model_len": 8192}],
+        arms=[{"name": "mtp", "k": [3]}],
+    )
+    rung, cap = RULER_MIN_TOKENS, 48
+    raw["protocol"].update(
+        rungs=[rung],
+        repeats=[1],
+        workloads=["niah_multiquery"],
+        output_tokens=cap,
+        warmup_requests=1,
+        repetition_penalty=1.15,
+    )
+    raw.pop("replica", None)
+    study = study_from_dict(raw, base_dir=tmp_path)
+    (cell,) = study.cells()
+    manifest = json.loads((engines_dir() / study.engine(cell.engine).name / "manifest.json").read_text())
+    assert Path(manifest["python"]).exists() or engine_python
+    out = tmp_path / "results" / "niah" / "raw" / cell.cell_id
+    run_cell(CellRun(study=study, cell=cell, out_dir=out, engine_manifest=manifest, model_dir=model_dir))
+
+    requests = pd.read_parquet(out / "requests.parquet")
+    (row,) = requests[~requests["warmup"]].to_dict("records")
+    assert row["workload"] == "niah_multiquery" and row["prompt_tokens"] == rung
+    assert 1 <= row["completion_tokens"] <= cap and row["finish_reason"] in ("stop", "length")
+    # The answer recorded is the one the prompt's needles give, rebuilt here from the same seed.
+    factory = PromptFactory(model_dir / "tokenizer.json")
+    prompt = workload_task(factory, "niah_multiquery", rung, 0, salt=f"measure/{rung}")
+    needles = dict(NEEDLE.findall(prompt.text))
+    assert list(row["expected_answer"]) == list(prompt.answer) and set(prompt.answer) <= set(needles.values())
+    assert 0.0 <= row["answer_recall"] <= 1.0
+    warm = requests[requests["warmup"]]
+    assert warm["expected_answer"].isna().all() and warm["answer_recall"].isna().all()
+    counters = pd.read_parquet(out / "counters.parquet")
+    assert counters[counters["counter"] == "drafts"]["delta"].sum() > 0

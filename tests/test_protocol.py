@@ -125,7 +125,9 @@ PAPER_PROTOCOL = {
     "arms": {"none", "mtp", "wmtp"},
     "window and sink on the draft only": True,
     "longest rung": 1048576,
-    "hard, low-acceptance workload": True,
+    # Seeded synthetic RULER tasks in QA mode: at most 512 new tokens, repetition penalty 1.15.
+    "RULER tasks": {"niah_multiquery", "fwe", "cwe"},
+    "QA mode": (512, 1.15),
     "one GPU per cell": True,
     "batch sweep": True,
 }
@@ -144,7 +146,8 @@ def _paper_resolved() -> dict:
         # The windowed arm windows the draft (S, W given) and the engine's draft window is the only change.
         "window and sink on the draft only": bool(wmtp.sink and wmtp.window) and wmtp.k == study.arms[1].k,
         "longest rung": max(study.protocol.rungs),
-        "hard, low-acceptance workload": "copy" in study.protocol.workloads,
+        "RULER tasks": set(study.protocol.workloads),
+        "QA mode": (study.protocol.output_tokens, study.protocol.repetition_penalty),
         # A cell is one server on one device: the study gives no tensor or data parallelism.
         "one GPU per cell": not any(
             flag in " ".join(study.engines[0].serve_args + m.serve_args)

@@ -75,8 +75,9 @@ class EngineAdapter(ABC):
     def sampling_fields(self, protocol: Any) -> dict[str, Any]:
         """Request-body fields for the protocol's sampling settings beyond the OpenAI schema's: the repetition
         penalty, where the protocol sets one (vLLM's and SGLang's OpenAI servers both take ``repetition_penalty``
-        and apply it to the distribution the draft's tokens are verified against). Nothing at the defaults, so a
-        protocol without them sends the requests it always sent."""
+        beside the OpenAI fields; vLLM's rejection sampler applies it when it verifies drafts, so draft and target
+        are penalised alike). Nothing at the defaults, so a protocol without them sends the requests it always
+        sent."""
         penalty = getattr(protocol, "repetition_penalty", None)
         return {} if penalty is None else {"repetition_penalty": penalty}
 

@@ -323,3 +323,47 @@ def test_niah_cell_on_the_real_server(engine_python, tmp_path):
     assert warm["expected_answer"].isna().all() and warm["answer_recall"].isna().all()
     counters = pd.read_parquet(out / "counters.parquet")
     assert counters[counters["counter"] == "drafts"]["delta"].sum() > 0
+
+
+# --- the cell's requests -------------------------------------------------------------------------------------------
+
+
+def test_the_cell_answers_questions_until_eos_and_records_the_recall(embedded_raw, tmp_path, monkeypatch):
+    """QA requests honour EOS and carry the penalty; code requests keep their fixed length; the rows say what the
+    answer should have been and how much of it the output named."""
+    from wmtp.engines.vllm import VLLMAdapter
+    from wmtp.measure import cell as cell_mod
+    from wmtp.measure.client import Completion
+    from wmtp.measure.workload import PromptTask
+
+    embedded_raw["protocol"].update(rungs=[RULER_MIN_TOKENS], repeats=[1], workloads=["code", "niah_multiquery"])
+    embedded_raw["protocol"]["repetition_penalty"] = 1.15
+    study = study_from_dict(embedded_raw)
+    run = cell_mod.CellRun(study, study.cells()[0], tmp_path, {}, tmp_path)
+    sent: list[dict] = []
+
+    def fake_complete(base_url, model, prompt, max_tokens, **kwargs):
+        sent.append({"max_tokens": max_tokens, **kwargs})
+        return Completion("brave-anchor: 1111111\ncalm-badge: 2222222", RULER_MIN_TOKENS, 9, 0.1, 0.5, 0, 0.1, 0.5)
+
+    class Engine(VLLMAdapter):
+        def read_counters(self, base_url):
+            return {}
+
+    class Meter:
+        available = False
+
+    monkeypatch.setattr(cell_mod, "complete", fake_complete)
+    answer = ("1111111", "2222222", "3333333", "4444444")
+    rows = {}
+    for workload, task in (("code", PromptTask("x")), ("niah_multiquery", PromptTask("x", answer=answer))):
+        (rows[workload],) = cell_mod._measure(
+            run, Meter(), "http://s", "tiny", [task], workload, RULER_MIN_TOKENS, 0, 512, False, None, Engine()
+        )
+    code, qa = sent
+    assert code["ignore_eos"] is True and qa["ignore_eos"] is False and qa["max_tokens"] == 512
+    assert code["extra_body"]["repetition_penalty"] == qa["extra_body"]["repetition_penalty"] == 1.15
+    assert qa["extra_body"]["stream_options"]["continuous_usage_stats"] is True  # the engine's own fields stay
+    assert rows["niah_multiquery"]["expected_answer"] == list(answer)
+    assert rows["niah_multiquery"]["answer_recall"] == 0.5
+    assert rows["code"]["expected_answer"] is None and rows["code"]["answer_recall"] is None

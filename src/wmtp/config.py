@@ -872,24 +872,45 @@ def study_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".") -> Study
 
 
 def _yaml_error(path: Path, err: yaml.YAMLError) -> str:
-    mark = getattr(err, "problem_mark", None)
-    where = f"{path} line {mark.line + 1}" if mark is not None else str(path)
-    parts = [getattr(err, "context", None), getattr(err, "problem", None)]
-    detail = "; ".join(p for p in parts if p) or str(err)
-    return f"config: {where}: {' '.join(detail.split())}"
+    # The problem's mark is where the parser gave up, the context's where the construct it could not finish began
+    # (an unclosed bracket's line): a person needs both to find the typo.
+    problem_mark = getattr(err, "problem_mark", None)
+    context_mark = getattr(err, "context_mark", None)
+    where = f"{path}, {_mark(problem_mark)}" if problem_mark is not None else str(path)
+    detail = " ".join((getattr(err, "problem", None) or str(err)).split())
+    context = getattr(err, "context", None)
+    if context:
+        begun = f" that begins at {_mark(context_mark)}" if context_mark is not None else ""
+        detail += f" ({' '.join(context.split())}{begun})"
+    return f"config: {where}: {detail}"
 
 
-def load_study(path: Path | str, overrides: Mapping[str, Any] | None = None, base_dir: Path | str = ".") -> Study:
+def _mark(mark: yaml.Mark) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+def read_study_file(path: Path | str) -> dict[str, Any]:
+    """A study file's top-level mapping, unvalidated. A file that is missing, unreadable or no YAML mapping raises
+    :class:`ConfigError` naming the file (and, for a YAML error, the line and column)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config: study file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
         raise ConfigError(_yaml_error(path, err)) from None
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"config: study file {path} cannot be read ({err})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config: {path} does not hold a mapping")
+    return raw
+
+
+def load_study(path: Path | str, overrides: Mapping[str, Any] | None = None, base_dir: Path | str = ".") -> Study:
+    """The study in ``path`` with ``overrides`` (top-level keys) over it, validated; an error names the file."""
+    raw = read_study_file(path)
     raw.update(overrides or {})
-    return study_from_dict(raw, base_dir)
+    try:
+        return study_from_dict(raw, base_dir)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None

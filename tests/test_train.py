@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from wmtp.measure.equality import equal_up_to_numerics
+from wmtp.analyze.equality import equal_up_to_numerics
 from wmtp.model.train import FIXTURE_DIR, MANIFEST, TRAINED_SHAPE, FixtureError, install_fixture, split_files, verify
 
 REPO = Path(__file__).resolve().parents[1]

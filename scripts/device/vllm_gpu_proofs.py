@@ -129,8 +129,8 @@ def run(prompts_file: Path, out_dir: Path) -> int:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
     from vllm.plugins import load_general_plugins
 
+    from wmtp.analyze.equality import equal_up_to_numerics
     from wmtp.engines.vllm_hooks import check_hook_points
-    from wmtp.measure.equality import equal_up_to_numerics
     from wmtp.plugin import stats as wstats
 
     load_general_plugins()  # through the wmtp entry point, as every vLLM process loads it

@@ -13,6 +13,7 @@ import hashlib
 import ipaddress
 import json
 import logging
+import sysconfig
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -54,7 +55,19 @@ DUMMY_FAMILIES = ("gdn_moe",)
 CONFIG_OVERRIDE_FLAGS = {"vllm": "--hf-overrides", "sglang": "--json-model-override-args"}
 ALLOW_LONGER_ENV = {"vllm": "VLLM_ALLOW_LONG_MAX_MODEL_LEN", "sglang": "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"}
 
+# The code workload's text, and the text the generated models' tokenizer and weights learn from: the standard
+# library's own source (its tests and installed packages left out), one file after another.
+_CORPUS_SKIP_PARTS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
 log = logging.getLogger("wmtp.config")
+
+
+def corpus_files(stdlib: Path | None = None) -> Iterator[Path]:
+    """Standard-library ``.py`` files in a stable order: the code workload's text and the generated models'."""
+    root = stdlib or Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        if not _CORPUS_SKIP_PARTS.intersection(path.relative_to(root).parts):
+            yield path
 
 
 class ConfigError(ValueError):

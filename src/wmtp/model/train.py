@@ -50,8 +50,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from wmtp.config import corpus_files
 from wmtp.layout import REPO_ROOT
-from wmtp.measure.workload import corpus_files
 from wmtp.model.tiny import TinyShape, qwen3_next_config, train_tokenizer, write_checkpoint
 
 log = logging.getLogger(__name__)

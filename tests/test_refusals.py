@@ -338,7 +338,7 @@ def test_yaml_error_names_the_file_and_line(tmp_path, monkeypatch):
     Path("bad.yaml").write_text(BAD_YAML)
     with pytest.raises(ConfigError) as info:
         load_study("bad.yaml")
-    assert str(info.value) == "config: bad.yaml line 7: mapping values are not allowed here"
+    assert str(info.value) == "config: bad.yaml, line 7, column 22: mapping values are not allowed here"
 
 
 def test_missing_study_file(tmp_path):
@@ -362,7 +362,7 @@ def test_check_config_on_a_broken_file_prints_one_line_and_exits_2(tmp_path):
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert lines[0].endswith("ERROR wmtp: config: bad.yaml line 7: mapping values are not allowed here"), lines
+    assert lines[0].endswith("ERROR wmtp: config: bad.yaml, line 7, column 22: mapping values are not allowed here"), lines
 
 
 # --- names a command is given ------------------------------------------------------------------------

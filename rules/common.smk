@@ -110,7 +110,7 @@ def engine_python_of(engine_name):
     return engine_python(STUDY.engine(engine_name), ENGINES / engine_name)
 
 
-TRAINED_FIXTURE = layout.TRAINED_CHECKPOINT
+TRAINED_CHECKPOINT = layout.TRAINED_CHECKPOINT
 
 
 def generated_names(kind):

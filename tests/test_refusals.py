@@ -25,6 +25,7 @@ from wmtp.config import (
     study_from_dict,
     study_warnings,
 )
+from wmtp.layout import TRAINED_CHECKPOINT
 
 REPO = Path(__file__).resolve().parents[1]
 SGLANG = {"name": "sg", "kind": "sglang", "packages": ["sglang==0.5.21"]}
@@ -173,7 +174,7 @@ def test_generated_models_use_the_shape_they_are_built_with(embedded_raw):
     from wmtp.model.tiny import TinyShape
     from wmtp.model.train import TRAINED_SHAPE
 
-    committed = json.loads((REPO / "tests" / "fixtures" / "tiny-trained" / "config.json").read_text())
+    committed = json.loads((TRAINED_CHECKPOINT / "config.json").read_text())
     assert (
         GENERATED_MAX_POSITIONS
         == TinyShape().max_position_embeddings

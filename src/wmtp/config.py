@@ -112,7 +112,7 @@ class EngineSpec(_Strict):
 class ModelSpec(_Strict):
     name: str
     # Exactly one of: a local checkpoint directory, or a model that a rule generates: "tiny" (random
-    # weights), "trained" (the committed trained checkpoint, tests/fixtures/tiny-trained) or "dummy" (a
+    # weights), "trained" (the committed trained checkpoint, src/wmtp/model/tiny-trained) or "dummy" (a
     # weightless checkpoint of a real architecture, `architecture`, that vLLM serves with --load-format dummy).
     path: str | None = None
     generate: Literal["tiny", "trained", "dummy"] | None = None

@@ -9,7 +9,7 @@ from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 
 from wmtp import layout
-from wmtp.config import ConfigError, architecture_file, resolved_study_json, study_from_dict
+from wmtp.config import ConfigError, architecture_file, read_study_file, resolved_study_json, study_from_dict
 from wmtp.model.hub import DOWNLOAD_MANIFEST
 from wmtp.measure.identity import cell_identity, cell_study, identity_hash
 from wmtp.engines.build import CHECKS_VERSION as ENGINE_CHECKS_VERSION
@@ -17,12 +17,24 @@ from wmtp.engines.build import build_hash, build_spec, engine_python, spec_hash
 from wmtp.engines.capacity import check_weightless_fit
 
 
-validate(config, schema="../config/schemas/config.schema.yaml")
+# The study files Snakemake merged into `config`: those named with --configfile (Snakemake's command line read them
+# before this file runs, and stops there, without our message, on one it cannot parse: docs/design.md, "Reading a
+# study file"), or the embedded default.
+STUDY_FILES = [str(path) for path in workflow.configfiles]
 try:
-    STUDY = study_from_dict(config, base_dir=Path.cwd())
-    check_weightless_fit(STUDY)
+    # Read again by wmtp's own reader, which is stricter than Snakemake's (no Python tags, a mapping at the top) and
+    # whose errors name the file, line and column.
+    for study_file in STUDY_FILES:
+        read_study_file(study_file)
+    try:
+        STUDY = study_from_dict(config, base_dir=Path.cwd())
+        check_weightless_fit(STUDY)
+    except ConfigError as err:
+        raise ConfigError(f"{', '.join(STUDY_FILES) or 'config'}: {err}") from None
 except ConfigError as err:
     raise WorkflowError(str(err)) from None
+# After wmtp's checks, whose messages name the key: the schema is the same, so this only fills in its defaults.
+validate(config, schema="../config/schemas/config.schema.yaml")
 
 # Under --sdm conda a rule must call the python of its conda environment (envs/*.yaml), which finds wmtp
 # on PYTHONPATH; otherwise the interpreter that runs Snakemake (the project's venv) has everything.
@@ -98,7 +110,7 @@ def engine_python_of(engine_name):
     return engine_python(STUDY.engine(engine_name), ENGINES / engine_name)
 
 
-TRAINED_FIXTURE = layout.TRAINED_CHECKPOINT
+TRAINED_CHECKPOINT = layout.TRAINED_CHECKPOINT
 
 
 def generated_names(kind):

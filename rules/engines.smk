@@ -4,7 +4,7 @@
 rule engine:
     input:
         # Served once by the CPU build's behavioural self-check; a newer checkpoint does not rebuild an engine.
-        selfcheck_model=ancient(TRAINED_FIXTURE),
+        selfcheck_model=ancient(TRAINED_CHECKPOINT),
     output:
         engine_manifest("{engine}"),
     log:

@@ -29,8 +29,8 @@ rule tiny_model:
 rule trained_model:
     localrule: True
     input:
-        fixture=[TRAINED_FIXTURE / name for name in ("wmtp-model.json", "config.json", "model.safetensors",
-                                                    "tokenizer.json", "tokenizer_config.json")],
+        fixture=[TRAINED_CHECKPOINT / name for name in ("wmtp-model.json", "config.json", "model.safetensors",
+                                                       "tokenizer.json", "tokenizer_config.json")],
     output:
         config=MODELS / "{model}" / "config.json",
         weights=MODELS / "{model}" / "model.safetensors",
@@ -43,7 +43,7 @@ rule trained_model:
         py=PY,
         seed=lambda wc: STUDY.model(wc.model).seed,
         out=lambda wc: MODELS / wc.model,
-        fixture=TRAINED_FIXTURE,
+        fixture=TRAINED_CHECKPOINT,
     conda:
         "../envs/pipeline.yaml"
     shell:
@@ -55,7 +55,7 @@ rule dummy_model:
     localrule: True
     input:
         architecture=lambda wc: architecture_file(STUDY.model(wc.model).architecture),
-        tokenizer=TRAINED_FIXTURE / "tokenizer.json",
+        tokenizer=TRAINED_CHECKPOINT / "tokenizer.json",
     output:
         config=MODELS / "{model}" / "config.json",
         tokenizer=MODELS / "{model}" / "tokenizer.json",

@@ -32,11 +32,11 @@ import yaml
 
 from wmtp.config import study_from_dict
 from wmtp.engines import ServeRequest, vllm
-from wmtp.layout import REPO_ROOT
+from wmtp.layout import REPO_ROOT, TRAINED_CHECKPOINT
 from wmtp.measure.client import complete
 from wmtp.measure.server import ServerProcess, free_port
 from wmtp.measure.workload import Corpus, PromptFactory, copied_tokens, copy_task_prompt
-from wmtp.model.train import FIXTURE_DIR, heldout_text
+from wmtp.model.train import heldout_text
 
 log = logging.getLogger("acceptance_cpu")
 
@@ -209,7 +209,7 @@ def summarise(requests: pd.DataFrame, k: int) -> pd.DataFrame:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=FIXTURE_DIR)
+    parser.add_argument("--model", type=Path, default=TRAINED_CHECKPOINT)
     parser.add_argument("--rungs", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--workloads", nargs="+", default=["plain", "copy"], choices=["plain", "copy"])
     parser.add_argument("--arms", nargs="+", default=["mtp", "wmtp:16:256", "wmtp:16:1024", "wmtp:16:4096"])

@@ -22,8 +22,8 @@ RANK = {
     "engines": 2,  # engine adapters and environment builds
     "replica": 2,  # the GPU cost-side replica
     "report": 2,  # tidy tables → figures and HTML
-    "measure": 3,  # prompts, servers, cells, counters, power
-    "model": 4,  # the tiny models the embedded study serves
+    "model": 3,  # the tiny models the embedded study serves: made before any cell measures them
+    "measure": 4,  # prompts, servers, cells, counters, power
     "cli": 5,
     "__main__": 6,  # `python -m wmtp` calls the command
 }

@@ -19,11 +19,12 @@ import pytest
 from wmtp.analyze.tidy import apply_engine_clock
 from wmtp.engines import ServeRequest
 from wmtp.engines.vllm import REQUEST_EXTRA, VLLMAdapter
+from wmtp.layout import TRAINED_CHECKPOINT
 from wmtp.measure.cell import settled_counters
 from wmtp.measure.client import complete
 from wmtp.measure.server import ServerProcess, free_port, group_alive
 from wmtp.measure.workload import PromptFactory
-from wmtp.model.train import FIXTURE_DIR, install_fixture
+from wmtp.model.train import install_fixture
 
 pytestmark = [pytest.mark.engine]
 
@@ -75,7 +76,7 @@ def timed(tmp_path_factory, engine_python):
     )
     short_tmp = Path(tempfile.mkdtemp(prefix="wmtp-ck-"))
     server = ServerProcess(argv, engine.server_env(spec.env, work / "cache", short_tmp), work / "server.log", base)
-    factory = PromptFactory(FIXTURE_DIR / "tokenizer.json")
+    factory = PromptFactory(TRAINED_CHECKPOINT / "tokenizer.json")
     rows = []
     try:
         server.start()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from wmtp.measure.equality import equal_up_to_numerics, first_divergence
+from wmtp.analyze.equality import equal_up_to_numerics, first_divergence
 
 
 def test_identical():

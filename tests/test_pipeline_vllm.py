@@ -21,8 +21,8 @@ import pytest
 import yaml
 from conftest import engines_dir, wait_for
 
+from wmtp.analyze.equality import equal_up_to_numerics
 from wmtp.config import COPY_LEAD_TOKENS
-from wmtp.measure.equality import equal_up_to_numerics
 from wmtp.measure.progress import study_progress
 from wmtp.measure.server import group_alive
 

@@ -749,7 +749,7 @@ def server_run(engine_python, zero_model, work, engine_env, engines) -> dict:
 
 
 def _assert_equal_up_to_numerics(reference: dict, other: dict, what: str) -> None:
-    from wmtp.measure.equality import equal_up_to_numerics
+    from wmtp.analyze.equality import equal_up_to_numerics
 
     assert len(other["ids"]) == MAX_TOKENS, what
     verdict = equal_up_to_numerics(reference["ids"], reference["gaps"], other["ids"], eps=EPS)

@@ -25,6 +25,7 @@ from wmtp.config import (
     study_from_dict,
     study_warnings,
 )
+from wmtp.layout import TRAINED_CHECKPOINT
 
 REPO = Path(__file__).resolve().parents[1]
 SGLANG = {"name": "sg", "kind": "sglang", "packages": ["sglang==0.5.21"]}
@@ -173,7 +174,7 @@ def test_generated_models_use_the_shape_they_are_built_with(embedded_raw):
     from wmtp.model.tiny import TinyShape
     from wmtp.model.train import TRAINED_SHAPE
 
-    committed = json.loads((REPO / "tests" / "fixtures" / "tiny-trained" / "config.json").read_text())
+    committed = json.loads((TRAINED_CHECKPOINT / "config.json").read_text())
     assert (
         GENERATED_MAX_POSITIONS
         == TinyShape().max_position_embeddings
@@ -338,7 +339,7 @@ def test_yaml_error_names_the_file_and_line(tmp_path, monkeypatch):
     Path("bad.yaml").write_text(BAD_YAML)
     with pytest.raises(ConfigError) as info:
         load_study("bad.yaml")
-    assert str(info.value) == "config: bad.yaml line 7: mapping values are not allowed here"
+    assert str(info.value) == "config: bad.yaml, line 7, column 22: mapping values are not allowed here"
 
 
 def test_missing_study_file(tmp_path):
@@ -362,7 +363,9 @@ def test_check_config_on_a_broken_file_prints_one_line_and_exits_2(tmp_path):
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert lines[0].endswith("ERROR wmtp: config: bad.yaml line 7: mapping values are not allowed here"), lines
+    assert lines[0].endswith("ERROR wmtp: config: bad.yaml, line 7, column 22: mapping values are not allowed here"), (
+        lines
+    )
 
 
 # --- names a command is given ------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from wmtp.analyze import tidy
+from wmtp.layout import TRAINED_CHECKPOINT
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -140,7 +141,7 @@ def test_a_windowed_cell_carries_the_cost_models_ring_reclaim_at_its_length(tmp_
     manifest = json.loads((cell / "manifest.json").read_text())
     manifest["cell"].update(arm="wmtp-ring", sink=16, window=256)
     manifest["kv_cache"] = {"kv_cache_tokens": 1, "max_model_len": 16640, "max_concurrency": 1.0}
-    manifest["model_config"] = json.loads((FIXTURES / "tiny-trained" / "config.json").read_text())
+    manifest["model_config"] = json.loads((TRAINED_CHECKPOINT / "config.json").read_text())
     (cell / "manifest.json").write_text(json.dumps(manifest))
     predicted = tidy.collect([cell], tmp_path / "tidy")["requests"]["predicted_ring_reclaim"].iloc[0]
     # one full-attention layer and the draft, 256 bytes a token each: the ring keeps 16 + 256 of 16,640 draft

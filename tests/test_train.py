@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from wmtp.measure.equality import equal_up_to_numerics
-from wmtp.model.train import FIXTURE_DIR, MANIFEST, TRAINED_SHAPE, FixtureError, install_fixture, split_files, verify
+from wmtp.analyze.equality import equal_up_to_numerics
+from wmtp.layout import TRAINED_CHECKPOINT
+from wmtp.model.train import MANIFEST, TRAINED_SHAPE, FixtureError, install_fixture, split_files, verify
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,20 +68,20 @@ WINDOW_COST_ON_COPY = 0.5
 
 
 def test_fixture_matches_its_manifest_and_is_small():
-    manifest = verify(FIXTURE_DIR)
+    manifest = verify(TRAINED_CHECKPOINT)
     assert manifest["trained"] and manifest["seed"] == 0
-    files = {p.name for p in FIXTURE_DIR.iterdir()}
+    files = {p.name for p in TRAINED_CHECKPOINT.iterdir()}
     assert files == {*manifest["files"], MANIFEST}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= files
-    assert sum(p.stat().st_size for p in FIXTURE_DIR.iterdir()) < MAX_FIXTURE_BYTES
-    config = json.loads((FIXTURE_DIR / "config.json").read_text())
+    assert sum(p.stat().st_size for p in TRAINED_CHECKPOINT.iterdir()) < MAX_FIXTURE_BYTES
+    config = json.loads((TRAINED_CHECKPOINT / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1
     assert config["hidden_size"] == TRAINED_SHAPE.hidden_size and config["vocab_size"] == TRAINED_SHAPE.vocab_size
     assert config["layer_types"] == TRAINED_SHAPE.resolved_layer_types()
 
 
 def test_fixture_tensors_use_vllms_names():
-    with (FIXTURE_DIR / "model.safetensors").open("rb") as f:  # safetensors: u64 header length, JSON header
+    with (TRAINED_CHECKPOINT / "model.safetensors").open("rb") as f:  # safetensors: u64 header length, JSON header
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     names = set(header) - {"__metadata__"}
     assert {header[n]["dtype"] for n in names} == {"BF16"}
@@ -101,11 +102,11 @@ def test_fixture_tensors_use_vllms_names():
 
 def test_install_checks_hashes_and_seed(tmp_path):
     install_fixture(tmp_path / "ok", seed=0)
-    assert verify(tmp_path / "ok")["files"] == verify(FIXTURE_DIR)["files"]
+    assert verify(tmp_path / "ok")["files"] == verify(TRAINED_CHECKPOINT)["files"]
     with pytest.raises(FixtureError, match="seed 0, not 3"):
         install_fixture(tmp_path / "seed", seed=3)
     broken = tmp_path / "broken"
-    shutil.copytree(FIXTURE_DIR, broken)
+    shutil.copytree(TRAINED_CHECKPOINT, broken)
     (broken / "tokenizer_config.json").write_text("{}")
     with pytest.raises(FixtureError, match=r"tokenizer_config\.json has sha256"):
         install_fixture(tmp_path / "out", fixture=broken)
@@ -122,7 +123,7 @@ def test_copy_task_prompt_is_exact_and_repeats_its_passage():
     from wmtp.measure.workload import Corpus, PromptFactory, copy_task_prompt
     from wmtp.model.train import heldout_text
 
-    factory = PromptFactory(FIXTURE_DIR / "tokenizer.json", corpus=Corpus(heldout_text(), "heldout"))
+    factory = PromptFactory(TRAINED_CHECKPOINT / "tokenizer.json", corpus=Corpus(heldout_text(), "heldout"))
     for n in (1024, 4096):
         task = copy_task_prompt(factory, n, 0)
         assert len(factory.encode(task.text)) == n
@@ -160,7 +161,7 @@ def _train_tiny(python: str, out: Path, level: str, host_env: dict[str, str], re
         "--out",
         str(out),
         "--tokenizer",
-        str(FIXTURE_DIR / "tokenizer.json"),
+        str(TRAINED_CHECKPOINT / "tokenizer.json"),
         "--budget",
         json.dumps({"cpu_dispatch": level, **(recipe or {})}),
     ]
@@ -298,7 +299,7 @@ def _prompts() -> dict[str, str]:
     from wmtp.measure.workload import Corpus, PromptFactory, copy_task_prompt
     from wmtp.model.train import heldout_text
 
-    factory = PromptFactory(FIXTURE_DIR / "tokenizer.json", corpus=Corpus(heldout_text(), "heldout"))
+    factory = PromptFactory(TRAINED_CHECKPOINT / "tokenizer.json", corpus=Corpus(heldout_text(), "heldout"))
     return {
         "plain": factory.prompt(PROMPT_TOKENS, 0, salt="test/plain"),
         "copy": copy_task_prompt(factory, PROMPT_TOKENS, 0, salt="test/copy").text,

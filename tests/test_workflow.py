@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -92,6 +93,88 @@ def test_bad_config_fails_before_anything_runs(tmp_path):
     out = run("-n", "--configfile", str(bad))
     assert out.returncode != 0
     assert "arms[1].k[0] must be ≥ 1 for arm 'mtp' (got 0)" in out.stdout + out.stderr
+
+
+def files_under(folder: Path) -> set[str]:
+    """Every path under ``folder``, not following links (results/engines may link to a large shared folder)."""
+    found = set()
+    for root, dirs, files in os.walk(folder):
+        found.update(os.path.join(root, name) for name in dirs + files)
+    return found
+
+
+def broken_spark_study(tmp_path: Path) -> Path:
+    """The Spark study with one bracket left open on line 18 (its engine's packages)."""
+    text = (REPO / "config" / "studies" / "spark-128k.yaml").read_text()
+    assert text.splitlines()[17] == '    packages: ["vllm==0.24.0"]'
+    study = tmp_path / "broken.yaml"
+    study.write_text(text.replace('packages: ["vllm==0.24.0"]', 'packages: ["vllm==0.24.0"', 1))
+    return study
+
+
+# How a user names a study: plain, after the Spark profile (the default profile applies after it) and with the SLURM
+# workflow profile (which replaces the default one). A study file that cannot be read stops each of them.
+ENTRY_POINTS = {
+    "plain": [],
+    "spark": ["--profile", "spark", "-j1"],
+    "slurm": ["--workflow-profile", "slurm"],
+}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_yaml_error_stops_every_entry_point_before_the_dag_and_verbose_names_the_line(tmp_path, entry):
+    """Snakemake reads --configfile before any workflow code runs: its own sentence names no line, and its
+    --verbose shows the YAML error it carries (docs/design.md, "Reading a study file")."""
+    study = broken_spark_study(tmp_path)
+    before = files_under(REPO / "results")
+    out = run("-n", *ENTRY_POINTS[entry], "--configfile", str(study))
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "Config file is not valid JSON or YAML" in text, text
+    assert "Building DAG" not in text
+    verbose = run("-n", "--verbose", *ENTRY_POINTS[entry], "--configfile", str(study))
+    text = verbose.stdout + verbose.stderr
+    assert verbose.returncode != 0, text
+    # The unclosed bracket begins on line 18; the parser notices on line 19.
+    assert f'in "{study}", line 18, column 15' in text, text
+    assert f'in "{study}", line 19, column 5' in text, text
+    assert "Building DAG" not in text
+    assert files_under(REPO / "results") == before
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_missing_study_file_is_named(tmp_path, entry):
+    missing = tmp_path / "no-such-study.yaml"
+    before = files_under(REPO / "results")
+    out = run("-n", *ENTRY_POINTS[entry], "--configfile", str(missing))
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    assert f"No such file or directory: '{missing}'" in text, text
+    assert "Building DAG" not in text
+    assert files_under(REPO / "results") == before
+
+
+def test_check_config_names_the_file_line_and_column(tmp_path):
+    study = broken_spark_study(tmp_path)
+    check = [sys.executable, "-m", "wmtp", "check-config", "--config"]
+    out = subprocess.run([*check, str(study)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert (
+        f"config: {study}, line 19, column 5: expected ',' or ']', but got '<scalar>' "
+        "(while parsing a flow sequence that begins at line 18, column 15)"
+    ) in out.stderr, out.stderr
+    missing = tmp_path / "no-such-study.yaml"
+    out = subprocess.run([*check, str(missing)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"config: study file {missing} does not exist" in out.stderr, out.stderr
+
+
+def test_a_wrong_value_names_the_file_and_the_key(tmp_path):
+    """A file Snakemake could read is read again by wmtp: the message names the file before the key."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((REPO / "config" / "config.yaml").read_text().replace("k: [3]", "k: [0]"))
+    out = run("-n", "--configfile", str(bad))
+    assert out.returncode != 0
+    assert f"{bad}: config: arms[1].k[0] must be ≥ 1 for arm 'mtp' (got 0)" in out.stdout + out.stderr
 
 
 def test_a_dry_run_writes_nothing(tmp_path):

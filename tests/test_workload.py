@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from wmtp.layout import TRAINED_CHECKPOINT
 from wmtp.measure.workload import PromptFactory, PromptLengthError, corpus_files, exact_length_text, load_corpus
 
 
@@ -115,11 +116,10 @@ def test_workload_task_gives_the_copy_tasks_continuation(tiny_tokenizer):
 def test_copy_task_converges_where_a_filler_ending_in_a_newline_steps_over_the_length():
     """With the trained model's tokenizer, copy prompt #1 of 2,048 tokens once failed: every filler
     length either fell one short or one over (its trailing newline merged with the tail's)."""
-    from pathlib import Path
 
     from wmtp.measure.workload import copy_task_prompt
 
-    factory = PromptFactory(Path(__file__).parent / "fixtures" / "tiny-trained" / "tokenizer.json")
+    factory = PromptFactory(TRAINED_CHECKPOINT / "tokenizer.json")
     for index in range(6):
         for n in (1024, 2048, 4096):
             task = copy_task_prompt(factory, n, index, salt=f"measure/{n}/copy")

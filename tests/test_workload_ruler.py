@@ -278,10 +278,11 @@ def test_niah_cell_on_the_real_server(engine_python, tmp_path):
     from conftest import REPO, engines_dir
 
     from wmtp.config import load_study
+    from wmtp.layout import TRAINED_CHECKPOINT
     from wmtp.measure.cell import CellRun, run_cell
     from wmtp.model.train import install_fixture
 
-    fixture = REPO / "tests" / "fixtures" / "tiny-trained"
+    fixture = TRAINED_CHECKPOINT
     model_dir = tmp_path / "model"
     install_fixture(model_dir, fixture, seed=0)
     raw = load_study(REPO / "config" / "config.yaml").model_dump(mode="json", exclude_none=True)

@@ -21,7 +21,7 @@ mkdir -p "$work"/stdlib && tar xzf .gpu-inputs/train/stdlib.tar.gz -C "$work"/st
 } | tee "$OUT"/cpu.txt
 for level in avx2 default; do
   python3 -m wmtp.model.train train --tiny --seed 0 --out "$work/$level" --stdlib "$work"/stdlib \
-    --tokenizer tests/fixtures/tiny-trained/tokenizer.json --budget "{\"cpu_dispatch\": \"$level\"}" \
+    --tokenizer src/wmtp/model/tiny-trained/tokenizer.json --budget "{\"cpu_dispatch\": \"$level\"}" \
     >"$OUT/train-$level.log" 2>&1
   python3 -m wmtp.model.train expect --model "$work/$level" >"$OUT/course-$level.json"
   grep 'sha256' "$OUT/train-$level.log" | tail -1

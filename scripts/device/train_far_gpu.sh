@@ -17,7 +17,7 @@
 # Usage, from the repository root, with OUT naming the output directory; per variant a name, TinyShape overrides
 # and Budget overrides (JSON). Writes $OUT/NAME.log and $OUT/NAME.tar (the checkpoint directory):
 #   OUT=/path/to/out bash scripts/device/train_far_gpu.sh far '{}' '{}' far2 '{"full_attention_every": 2}' '{}'
-# The committed checkpoint (tests/fixtures/tiny-trained), four runs of 7-8 minutes each:
+# The committed checkpoint (src/wmtp/model/tiny-trained), four runs of 7-8 minutes each:
 #   OUT=… bash scripts/device/train_far_gpu.sh farA '{}' '{}'
 #   cp …/farA.tar .gpu-inputs/farA2b.init.tar
 #   OUT=… bash scripts/device/train_far_gpu.sh farA2b '{}' '{"target_steps": 0, "mtp_seconds": 390, "mtp_lr": 0.003,
@@ -47,7 +47,7 @@ while [ $# -ge 3 ]; do
   fi
   (
     python3 -m wmtp.model.train train "${init[@]}" --recipe far-copy --seed 0 --out "$work/train/$name" \
-      --tokenizer tests/fixtures/tiny-trained/tokenizer.json --stdlib "$work"/stdlib --shape "$shape" --budget "$budget" \
+      --tokenizer src/wmtp/model/tiny-trained/tokenizer.json --stdlib "$work"/stdlib --shape "$shape" --budget "$budget" \
       >"$OUT/$name.log" 2>&1
     tar cf "$OUT/$name.tar" -C "$work"/train "$name"
   ) &

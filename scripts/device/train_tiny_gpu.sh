@@ -21,5 +21,5 @@ export PYTHONPATH="$work"/site:$PWD/src PYTHONUNBUFFERED=1
 mkdir -p "$work"/stdlib && tar xzf .gpu-inputs/stdlib.tar.gz -C "$work"/stdlib
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-python3 -m wmtp.model.train train --out "$OUT/$name" --seed 0 --tokenizer tests/fixtures/tiny-trained/tokenizer.json \
+python3 -m wmtp.model.train train --out "$OUT/$name" --seed 0 --tokenizer src/wmtp/model/tiny-trained/tokenizer.json \
   --stdlib "$work"/stdlib --budget "$budget" 2>&1 | tee "$OUT/$name.log"

@@ -9,7 +9,7 @@ There, with the carried engine on the path (scripts/device/engine_install.sh) an
     PYTHONPATH=/tmp/wmtp-engine/site:src python3 scripts/device/vllm_gpu_proofs.py run \
         --prompts .gpu-inputs/proofs/prompts.json --out "$OUT"
 
-``run`` serves the committed tiny trained model (tests/fixtures/tiny-trained) in one process, CUDA graphs on
+``run`` serves the committed tiny trained model (src/wmtp/model/tiny-trained) in one process, CUDA graphs on
 as a real server runs them (FULL for the target's decode, PIECEWISE for the drafter): first stock MTP (k = 3),
 then wmtp (S = 16, W = 256) with the plugin's test instrument (wmtp.plugin.testing) and counters
 (wmtp.plugin.stats). It proves, and writes to ``$OUT/gpu_proofs.json`` (exit 1 when one fails):
@@ -34,8 +34,10 @@ import sys
 import time
 from pathlib import Path
 
+from wmtp.layout import TRAINED_CHECKPOINT
+
 REPO = Path(__file__).resolve().parents[2]
-FIXTURE = REPO / "tests" / "fixtures" / "tiny-trained"
+FIXTURE = TRAINED_CHECKPOINT
 K = 3
 SINK, WINDOW = 16, 256
 WIDE_OPEN = (0, 1_000_000)  # W beyond every context: the plugin hands the metadata through (= mtp)
@@ -129,8 +131,8 @@ def run(prompts_file: Path, out_dir: Path) -> int:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
     from vllm.plugins import load_general_plugins
 
+    from wmtp.analyze.equality import equal_up_to_numerics
     from wmtp.engines.vllm_hooks import check_hook_points
-    from wmtp.measure.equality import equal_up_to_numerics
     from wmtp.plugin import stats as wstats
 
     load_general_plugins()  # through the wmtp entry point, as every vLLM process loads it

@@ -13,6 +13,7 @@ import hashlib
 import ipaddress
 import json
 import logging
+import sysconfig
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -76,7 +77,19 @@ DUMMY_FAMILIES = ("gdn_moe",)
 CONFIG_OVERRIDE_FLAGS = {"vllm": "--hf-overrides", "sglang": "--json-model-override-args"}
 ALLOW_LONGER_ENV = {"vllm": "VLLM_ALLOW_LONG_MAX_MODEL_LEN", "sglang": "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"}
 
+# The code workload's text, and the text the generated models' tokenizer and weights learn from: the standard
+# library's own source (its tests and installed packages left out), one file after another.
+_CORPUS_SKIP_PARTS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
 log = logging.getLogger("wmtp.config")
+
+
+def corpus_files(stdlib: Path | None = None) -> Iterator[Path]:
+    """Standard-library ``.py`` files in a stable order: the code workload's text and the generated models'."""
+    root = stdlib or Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        if not _CORPUS_SKIP_PARTS.intersection(path.relative_to(root).parts):
+            yield path
 
 
 class ConfigError(ValueError):
@@ -121,7 +134,7 @@ class EngineSpec(_Strict):
 class ModelSpec(_Strict):
     name: str
     # Exactly one of: a local checkpoint directory, or a model that a rule generates: "tiny" (random
-    # weights), "trained" (the committed trained checkpoint, tests/fixtures/tiny-trained) or "dummy" (a
+    # weights), "trained" (the committed trained checkpoint, src/wmtp/model/tiny-trained) or "dummy" (a
     # weightless checkpoint of a real architecture, `architecture`, that vLLM serves with --load-format dummy).
     path: str | None = None
     generate: Literal["tiny", "trained", "dummy"] | None = None
@@ -906,24 +919,45 @@ def study_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".") -> Study
 
 
 def _yaml_error(path: Path, err: yaml.YAMLError) -> str:
-    mark = getattr(err, "problem_mark", None)
-    where = f"{path} line {mark.line + 1}" if mark is not None else str(path)
-    parts = [getattr(err, "context", None), getattr(err, "problem", None)]
-    detail = "; ".join(p for p in parts if p) or str(err)
-    return f"config: {where}: {' '.join(detail.split())}"
+    # The problem's mark is where the parser gave up, the context's where the construct it could not finish began
+    # (an unclosed bracket's line): a person needs both to find the typo.
+    problem_mark = getattr(err, "problem_mark", None)
+    context_mark = getattr(err, "context_mark", None)
+    where = f"{path}, {_mark(problem_mark)}" if problem_mark is not None else str(path)
+    detail = " ".join((getattr(err, "problem", None) or str(err)).split())
+    context = getattr(err, "context", None)
+    if context:
+        begun = f" that begins at {_mark(context_mark)}" if context_mark is not None else ""
+        detail += f" ({' '.join(context.split())}{begun})"
+    return f"config: {where}: {detail}"
 
 
-def load_study(path: Path | str, overrides: Mapping[str, Any] | None = None, base_dir: Path | str = ".") -> Study:
+def _mark(mark: yaml.Mark) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+def read_study_file(path: Path | str) -> dict[str, Any]:
+    """A study file's top-level mapping, unvalidated. A file that is missing, unreadable or no YAML mapping raises
+    :class:`ConfigError` naming the file (and, for a YAML error, the line and column)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config: study file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
         raise ConfigError(_yaml_error(path, err)) from None
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"config: study file {path} cannot be read ({err})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config: {path} does not hold a mapping")
+    return raw
+
+
+def load_study(path: Path | str, overrides: Mapping[str, Any] | None = None, base_dir: Path | str = ".") -> Study:
+    """The study in ``path`` with ``overrides`` (top-level keys) over it, validated; an error names the file."""
+    raw = read_study_file(path)
     raw.update(overrides or {})
-    return study_from_dict(raw, base_dir)
+    try:
+        return study_from_dict(raw, base_dir)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None

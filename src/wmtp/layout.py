@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# The committed trained tiny hybrid MTP checkpoint: the embedded study's model and the CPU engine's self-check.
-TRAINED_CHECKPOINT = REPO_ROOT / "tests" / "fixtures" / "tiny-trained"
+# The committed trained tiny hybrid MTP checkpoint: the embedded study's model and the CPU engine's self-check. It
+# ships inside the package (package data), so an installed wmtp finds it as a clone does.
+TRAINED_CHECKPOINT = Path(__file__).resolve().parent / "model" / "tiny-trained"
 
 STUDY_FILE = "study.json"
 RAW_DIR = "raw"

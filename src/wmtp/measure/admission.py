@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from wmtp.measure.equality import equal_up_to_numerics
+from wmtp.analyze.equality import equal_up_to_numerics
 
 RESULT = "WMTP-ADMISSION "
 # The admitted count the proof asks for: N requests under wmtp, N + 1 under the ring.

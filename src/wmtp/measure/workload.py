@@ -12,14 +12,14 @@ import hashlib
 import json
 import random
 import re
-import sysconfig
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-# The workloads and the copy task's shape are the protocol's: wmtp.config owns them and validates against them.
+# The workloads, their code text and the copy task's shape are the protocol's: wmtp.config owns them (the generated
+# models learn from the same text) and validates against them.
 from wmtp.config import (
     COPY_CUE_TOKENS,
     COPY_LEAD_TOKENS,
@@ -27,22 +27,14 @@ from wmtp.config import (
     RULER_WORKLOADS,
     WORKLOADS,
     Study,
+    corpus_files,
 )
 
-_SKIP_PARTS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 _RARE_TOKEN = re.compile(r" ?[!-~]{3,}")
 
 
 class PromptLengthError(RuntimeError):
     """No cut of the text re-tokenises to exactly the requested length."""
-
-
-def corpus_files(stdlib: Path | None = None) -> Iterator[Path]:
-    """Standard-library ``.py`` files in a stable order."""
-    root = stdlib or Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
-        if not _SKIP_PARTS.intersection(path.relative_to(root).parts):
-            yield path
 
 
 @dataclass(frozen=True)

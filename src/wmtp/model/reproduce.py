@@ -6,7 +6,7 @@ they block and sum, so one float32 rounding differs, and twenty AdamW steps carr
 every weight. What holds across CPUs is the run's course: its loss at every logged step agrees within a
 relative tolerance far below what any change of the recipe (data, schedule, seed) moves it by, and the
 trained target's greedy continuations of fixed held-out prompts agree up to near ties (the lossless tests'
-comparison, wmtp.measure.equality).
+comparison, wmtp.analyze.equality).
 
 :func:`expectation` cuts that course out of a training manifest (``wmtp-model.json``); :func:`compare` lists
 how a run departs from a committed one. Both are pure.
@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from wmtp.measure.equality import equal_up_to_numerics
+from wmtp.analyze.equality import equal_up_to_numerics
 
 # Measured on the tiny budget (20 logged steps): an Intel Xeon with AMX under torch 2.11 and an AMD EPYC with AVX-512
 # under torch 2.13, at the AVX2 and the scalar dispatch levels, differed by at most 1.5e-6 relative in any logged

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from wmtp.measure.workload import corpus_files
+from wmtp.config import corpus_files
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ The committed fixture is ``far-copy`` on an H200, its MTP head then continued al
 target trained together.
 
 The checkpoint uses tiny.py's layout (per-expert tensors, ``mtp.*`` names), so vLLM loads it the same
-way; ``install_fixture`` copies the committed one (``tests/fixtures/tiny-trained``) after checking
-its hashes, so CI never retrains.
+way; ``install_fixture`` copies the committed one (``wmtp.layout.TRAINED_CHECKPOINT``, src/wmtp/model/tiny-trained)
+after checking its hashes, so CI never retrains.
 """
 
 from __future__ import annotations
@@ -50,13 +50,12 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from wmtp.layout import REPO_ROOT
-from wmtp.measure.workload import corpus_files
+from wmtp.config import corpus_files
+from wmtp.layout import TRAINED_CHECKPOINT
 from wmtp.model.tiny import TinyShape, qwen3_next_config, train_tokenizer, write_checkpoint
 
 log = logging.getLogger(__name__)
 
-FIXTURE_DIR = REPO_ROOT / "tests" / "fixtures" / "tiny-trained"
 MANIFEST = "wmtp-model.json"
 HELDOUT_EVERY = 20  # one file in 20, chosen by a hash of its path under the standard library
 
@@ -983,7 +982,7 @@ def verify(model_dir: Path) -> dict:
     return manifest
 
 
-def install_fixture(out_dir: Path, fixture: Path = FIXTURE_DIR, seed: int | None = None) -> dict:
+def install_fixture(out_dir: Path, fixture: Path = TRAINED_CHECKPOINT, seed: int | None = None) -> dict:
     """Copy the committed trained checkpoint into ``out_dir`` after checking its hashes (no torch needed)."""
     manifest = verify(fixture)
     if seed is not None and seed != manifest["seed"]:
@@ -1015,7 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--model", type=Path, required=True)
     i = sub.add_parser("install", help="copy the committed checkpoint into place, checking its hashes")
     i.add_argument("--out", type=Path, required=True)
-    i.add_argument("--fixture", type=Path, default=FIXTURE_DIR)
+    i.add_argument("--fixture", type=Path, default=TRAINED_CHECKPOINT)
     i.add_argument("--seed", type=int)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

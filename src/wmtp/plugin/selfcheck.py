@@ -2,7 +2,7 @@
 
 Run in the engine's interpreter (the build does, for vLLM engines on the CPU):
 
-    python -m wmtp.plugin.selfcheck --model tests/fixtures/tiny-trained
+    python -m wmtp.plugin.selfcheck --model src/wmtp/model/tiny-trained
 
 It starts vLLM in this process (no server) with ``{"wmtp": {"sink": S, "window": W}}`` on a small
 checkpoint, generates a few tokens after a prompt several KV blocks longer than S + W, and reads the

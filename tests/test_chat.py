@@ -21,7 +21,8 @@ from conftest import REPO, engines_dir
 from wmtp.config import load_study, study_from_dict
 from wmtp.layout import TRAINED_CHECKPOINT
 from wmtp.measure.client import complete
-from wmtp.measure.workload import PromptFactory, chat_settings, copy_task_prompt, workload_prompt
+from wmtp.measure.tasks import workload_prompt
+from wmtp.measure.workload import PromptFactory, chat_settings, copy_task_prompt
 from wmtp.model.tiny import CHAT_TEMPLATE
 
 FIXTURE = TRAINED_CHECKPOINT

@@ -11,7 +11,8 @@ import pytest
 
 from wmtp.layout import TRAINED_CHECKPOINT
 from wmtp.measure.identity import model_fingerprint
-from wmtp.measure.workload import PromptFactory, workload_task
+from wmtp.measure.tasks import workload_task
+from wmtp.measure.workload import PromptFactory
 from wmtp.model import dummy
 from wmtp.model.tiny import TinyShape
 

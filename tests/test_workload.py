@@ -49,7 +49,8 @@ def test_converge_or_fail():
 
 def test_workload_prompts_have_exact_lengths_and_copy_repeats_a_far_passage(tiny_tokenizer):
     from wmtp.config import COPY_MIN_TOKENS
-    from wmtp.measure.workload import copy_task_prompt, workload_prompt
+    from wmtp.measure.tasks import workload_prompt
+    from wmtp.measure.workload import copy_task_prompt
 
     factory = PromptFactory(tiny_tokenizer)
     for n in (COPY_MIN_TOKENS, 4096):
@@ -97,7 +98,8 @@ def test_copied_tokens_counts_the_output_tokens_that_go_on_with_the_passage(tiny
 
 
 def test_workload_task_gives_the_copy_tasks_continuation(tiny_tokenizer):
-    from wmtp.measure.workload import copy_task_prompt, workload_prompt, workload_task
+    from wmtp.measure.tasks import workload_prompt, workload_task
+    from wmtp.measure.workload import copy_task_prompt
 
     factory = PromptFactory(tiny_tokenizer)
     measured = workload_task(factory, "copy", 2048, 1, salt="measure/2048")

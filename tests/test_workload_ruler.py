@@ -20,7 +20,8 @@ from wmtp.config import (
     study_from_dict,
 )
 from wmtp.measure.ruler import answer_recall, cwe_task, fwe_counts, fwe_task, niah_multiquery_task, ruler_task, score
-from wmtp.measure.workload import PromptFactory, PromptLengthError, workload_task
+from wmtp.measure.tasks import workload_task
+from wmtp.measure.workload import PromptFactory, PromptLengthError
 
 
 @pytest.fixture(scope="module")
@@ -335,7 +336,7 @@ def test_the_cell_answers_questions_until_eos_and_records_the_recall(embedded_ra
     from wmtp.engines.vllm import VLLMAdapter
     from wmtp.measure import cell as cell_mod
     from wmtp.measure.client import Completion
-    from wmtp.measure.workload import PromptTask
+    from wmtp.measure.tasks import PromptTask
 
     embedded_raw["protocol"].update(rungs=[RULER_MIN_TOKENS], repeats=[1], workloads=["code", "niah_multiquery"])
     embedded_raw["protocol"]["repetition_penalty"] = 1.15

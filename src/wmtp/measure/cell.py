@@ -38,7 +38,8 @@ from wmtp.measure.lock import device_key, device_lock
 from wmtp.measure.power import EnergyWindow, PowerMeter, open_meter
 from wmtp.measure.ruler import score
 from wmtp.measure.server import PortTaken, ServerProcess, free_port
-from wmtp.measure.workload import PromptFactory, PromptTask, chat_settings, copied_tokens, workload_task
+from wmtp.measure.tasks import PromptTask, workload_task
+from wmtp.measure.workload import PromptFactory, chat_settings, copied_tokens
 from wmtp.plugin import source_sha256
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,6 @@ from wmtp.config import (
     COPY_CUE_TOKENS,
     COPY_LEAD_TOKENS,
     COPY_PASSAGE_TOKENS,
-    RULER_WORKLOADS,
-    WORKLOADS,
     Study,
     corpus_files,
 )
@@ -332,38 +330,6 @@ def copy_task_prompt(
                 start = factory.prefix_tokens + len(factory.encode(f"{lead}\n\n"))
                 return CopyTask(text, start, passage_tokens, cue_tokens, passage[len(cue) :])
     raise PromptLengthError(f"no filler length near {filler_tokens} makes the copy task exactly {n_tokens} tokens")
-
-
-@dataclass(frozen=True)
-class PromptTask:
-    """One measured prompt: its text and, for a copy task, the text a faithful copy goes on with and how many
-    tokens back from the prompt's end its passage starts (None for a prompt without one); for a question-answering
-    task, the items a right answer names (None for a prompt without a question)."""
-
-    text: str
-    continuation: str | None = None
-    distance: int | None = None
-    answer: tuple[str, ...] | None = None
-
-
-def workload_task(factory: PromptFactory, workload: str, n_tokens: int, index: int, salt: str) -> PromptTask:
-    """Prompt number ``index`` of exactly ``n_tokens`` tokens of ``workload`` (one of :data:`WORKLOADS`)."""
-    if workload == "code":
-        return PromptTask(factory.prompt(n_tokens, index, salt=salt))
-    if workload == "copy":
-        task = copy_task_prompt(factory, n_tokens, index, salt=f"{salt}/copy")
-        return PromptTask(task.text, task.continuation, task.distance(n_tokens))
-    if workload in RULER_WORKLOADS:
-        from wmtp.measure.ruler import ruler_task  # it builds on this module's PromptFactory
-
-        qa = ruler_task(factory, workload, n_tokens, index, salt=f"{salt}/{workload}")
-        return PromptTask(qa.text, answer=qa.answer)
-    raise ValueError(f"unknown workload {workload!r}; expected one of {', '.join(WORKLOADS)}")
-
-
-def workload_prompt(factory: PromptFactory, workload: str, n_tokens: int, index: int, salt: str) -> str:
-    """Prompt number ``index`` of exactly ``n_tokens`` tokens of ``workload`` (one of :data:`WORKLOADS`)."""
-    return workload_task(factory, workload, n_tokens, index, salt).text
 
 
 def copied_tokens(count_tokens: Callable[[str], int], output: str, continuation: str | None) -> int | None:

@@ -86,6 +86,25 @@ def engine_python() -> str:
     return find_engine_python()
 
 
+@pytest.fixture(scope="session")
+def trained_none(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Arm none of the committed trained checkpoint on one real server, read by two files in turn: a server start
+    is about a minute on two cores. tests/test_engine_clock.py times requests against the engine's clock first, on
+    the freshly started server, as it would on its own; tests/test_train.py then reads the reference outputs. The
+    server is stopped before any test reads what they got."""
+    from test_engine_clock import read_clock
+    from test_train import read_reference
+    from trained_server import serve
+
+    from wmtp.model.train import install_fixture
+
+    work = tmp_path_factory.mktemp("trained-none")
+    model = work / "model"
+    install_fixture(model)
+    clock, reference = serve(engine_python, "none", model, work, [read_clock, read_reference])
+    return {"clock": clock, "reference": reference}
+
+
 @pytest.fixture
 def repo() -> Path:
     return REPO

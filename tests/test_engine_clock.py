@@ -7,8 +7,6 @@ on /metrics time the same decode from EngineCore's first and last token and do n
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -17,14 +15,11 @@ import pandas as pd
 import pytest
 
 from wmtp.analyze.tidy import apply_engine_clock
-from wmtp.engines import ServeRequest
 from wmtp.engines.vllm import REQUEST_EXTRA, VLLMAdapter
 from wmtp.layout import TRAINED_CHECKPOINT
 from wmtp.measure.cell import settled_counters
 from wmtp.measure.client import complete
-from wmtp.measure.server import ServerProcess, free_port, group_alive
 from wmtp.measure.workload import PromptFactory
-from wmtp.model.train import install_fixture
 
 pytestmark = [pytest.mark.engine]
 
@@ -56,45 +51,27 @@ def _request_row(engine: VLLMAdapter, base: str, prompt: str, client: httpx.Clie
     }
 
 
-@pytest.fixture(scope="module")
-def timed(tmp_path_factory, engine_python):
-    import yaml
-
-    from wmtp.config import study_from_dict
-    from wmtp.layout import REPO_ROOT
-
-    work = tmp_path_factory.mktemp("clock")
-    model = work / "model"
-    install_fixture(model)
-    study = study_from_dict(yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text()), base_dir=REPO_ROOT)
-    spec = study.engines[0]
+def read_clock(base: str, _control_dir: Path) -> list[dict]:
+    """A warm-up, then prompt and late readers in turn, each request alone on the server."""
     engine = VLLMAdapter()
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    argv = engine.serve_argv(
-        ServeRequest(engine_python, model, "tiny", port, max_model_len=2048, arm="none", engine_args=spec.serve_args)
-    )
-    short_tmp = Path(tempfile.mkdtemp(prefix="wmtp-ck-"))
-    server = ServerProcess(argv, engine.server_env(spec.env, work / "cache", short_tmp), work / "server.log", base)
     factory = PromptFactory(TRAINED_CHECKPOINT / "tokenizer.json")
     rows = []
-    try:
-        server.start()
-        server.wait_healthy(600)
-        with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as prompt_reader:
-            complete(base, "tiny", factory.prompt(64, 0, salt="clock/warmup"), 8, client=prompt_reader)
-            for i, late in enumerate([False, True, False, True]):
-                prompt = factory.prompt(PROMPT_TOKENS, i, salt="clock")
-                if late:
-                    with _late_reader(READ_LATE_S) as client:
-                        rows.append({"late": True, **_request_row(engine, base, prompt, client)})
-                else:
-                    rows.append({"late": False, **_request_row(engine, base, prompt, prompt_reader)})
-    finally:
-        server.stop()
-        shutil.rmtree(short_tmp, ignore_errors=True)
-    assert not group_alive(server.pid)
-    frame = pd.DataFrame(rows)
+    with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as prompt_reader:
+        complete(base, "tiny", factory.prompt(64, 0, salt="clock/warmup"), 8, client=prompt_reader)
+        for i, late in enumerate([False, True, False, True]):
+            prompt = factory.prompt(PROMPT_TOKENS, i, salt="clock")
+            if late:
+                with _late_reader(READ_LATE_S) as client:
+                    rows.append({"late": True, **_request_row(engine, base, prompt, client)})
+            else:
+                rows.append({"late": False, **_request_row(engine, base, prompt, prompt_reader)})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def timed(trained_none):
+    # The server of arm none on the trained checkpoint that tests/test_train.py reads too (tests/conftest.py).
+    frame = pd.DataFrame(trained_none["clock"])
     apply_engine_clock(frame)
     return frame
 

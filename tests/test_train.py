@@ -2,10 +2,10 @@
 
 Engine tests run the engine's own interpreter, the one ``make engine`` builds (fixture ``engine_python`` of
 tests/conftest.py): without it they skip on a developer's machine and fail under ``CI=true``. Server starts
-are the cost (~1 min each on two cores), so there are two, one module fixture each, and the tests
-read their results:
+are the cost (~1 min each on two cores), so there are two, and the tests read their results:
 
-- ``none``: the reference outputs (token ids and top-2 logprob gaps) on a held-out plain prompt and a
+- ``none`` (the session fixture ``trained_none`` of tests/conftest.py, whose server tests/test_engine_clock.py
+  reads too): the reference outputs (token ids and top-2 logprob gaps) on a held-out plain prompt and a
   held-out copy task (wmtp.measure.workload.copy_task_prompt), both 1,024 tokens;
 - ``wmtp`` (S=16, W=256): the same prompts twice — first with the window opened wider than any context,
   which the plugin hands through untouched (the stock MTP draft: the head's own acceptance), then at
@@ -19,10 +19,10 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
+from trained_server import Reader, serve
 
 from wmtp.analyze.equality import equal_up_to_numerics
 from wmtp.layout import TRAINED_CHECKPOINT
@@ -306,51 +306,13 @@ def _prompts() -> dict[str, str]:
     }
 
 
-def _serve(
-    python: str,
-    arm: str,
-    model_dir: Path,
-    work: Path,
-    requests: list[tuple[str, str, dict | None]],
-    sink: int | None = None,
-    window: int | None = None,
-) -> dict:
-    """Start one server, run ``(label, prompt, control)`` requests in order, stop it; per-request results."""
-    import yaml
-
-    from wmtp.config import study_from_dict
-    from wmtp.engines import ServeRequest, vllm
+def _read_prompts(requests: list[tuple[str, str, dict | None]]) -> Reader:
+    """A reader that runs ``(label, prompt, control)`` requests in order; per-request results."""
+    from wmtp.engines import vllm
     from wmtp.measure.client import complete
-    from wmtp.measure.server import ServerProcess, free_port, group_alive
 
-    study = study_from_dict(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), base_dir=REPO)
-    spec = study.engines[0]
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    argv = vllm.serve_argv(
-        ServeRequest(
-            python,
-            model_dir,
-            "tiny",
-            port,
-            max_model_len=2048,
-            arm=arm,
-            k=K,
-            sink=sink,
-            window=window,
-            engine_args=spec.serve_args,
-        )
-    )
-    short_tmp = Path(tempfile.mkdtemp(prefix="wmtp-tt-"))
-    env = vllm.server_env(spec.env, work / "cache", short_tmp)
-    control_dir = work / f"control-{arm}"
-    control_dir.mkdir(parents=True, exist_ok=True)
-    env["WMTP_PLUGIN_TEST_DIR"] = str(control_dir)
-    server = ServerProcess(argv, env, work / f"server-{arm}.log", base)
-    results: dict = {}
-    try:
-        server.start()
-        server.wait_healthy(600)
+    def read(base: str, control_dir: Path) -> dict:
+        results: dict = {}
         for label, prompt, control in requests:
             tmp = control_dir / "control.json.tmp"
             tmp.write_text(json.dumps(control or {}))
@@ -365,24 +327,26 @@ def _serve(
                 "gaps": [t[0] - t[1] if len(t) > 1 else 9.9 for t in top],
                 **{k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
             }
-    finally:
-        server.stop()
-        shutil.rmtree(short_tmp, ignore_errors=True)
-    assert not group_alive(server.pid)
-    return results
+        return results
+
+    return read
+
+
+def read_reference(base: str, control_dir: Path) -> dict:
+    """Arm none's outputs on the held-out prompts: the reference the drafting arms must reproduce."""
+    return _read_prompts([(w, p, None) for w, p in _prompts().items()])(base, control_dir)
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, engine_python):
+def served(tmp_path_factory, engine_python, trained_none):
     work = tmp_path_factory.mktemp("served")
     model = work / "model"
     install_fixture(model)
     prompts = _prompts()
-    none = _serve(engine_python, "none", model, work, [(w, p, None) for w, p in prompts.items()])
     requests = [(f"full/{w}", p, WIDE_OPEN) for w, p in prompts.items()]
     requests += [(f"windowed/{w}", p, {"sink": SINK, "window": WINDOW}) for w, p in prompts.items()]
-    wmtp = _serve(engine_python, "wmtp", model, work, requests, sink=SINK, window=WINDOW)
-    return {"none": none, "wmtp": wmtp, "log": (work / "server-wmtp.log").read_text()}
+    (wmtp,) = serve(engine_python, "wmtp", model, work, [_read_prompts(requests)], k=K, sink=SINK, window=WINDOW)
+    return {"none": trained_none["reference"], "wmtp": wmtp, "log": (work / "server-wmtp.log").read_text()}
 
 
 def _acceptance(r: dict) -> float:

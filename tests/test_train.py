@@ -149,7 +149,9 @@ def test_chain_mask_matches_vllm_draft_steps():
 # Training is deterministic (engine interpreter: torch + transformers)
 
 
-def _train_tiny(python: str, out: Path, level: str, host_env: dict[str, str], recipe: dict | None = None) -> dict:
+def _start_training(
+    python: str, out: Path, level: str, host_env: dict[str, str], recipe: dict | None = None
+) -> subprocess.Popen:
     argv = [
         python,
         "-m",
@@ -165,21 +167,42 @@ def _train_tiny(python: str, out: Path, level: str, host_env: dict[str, str], re
         "--budget",
         json.dumps({"cpu_dispatch": level, **(recipe or {})}),
     ]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env={**os.environ, **host_env})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # A file, not a pipe: a run never blocks on output nobody reads while the others are waited for.
+    with out.with_name(out.name + ".stderr").open("w") as err:
+        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **host_env})
+
+
+def _finished_training(proc: subprocess.Popen, out: Path) -> dict:
+    try:
+        returncode = proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert returncode == 0, out.with_name(out.name + ".stderr").read_text()[-4000:]
     return json.loads((out / MANIFEST).read_text())
 
 
 @pytest.fixture(scope="module")
 def tiny_runs(engine_python, tmp_path_factory) -> dict[str, dict]:
-    """The tiny budget trained three times on this machine: at AVX2 twice (once as this host would dispatch,
-    once told to go wider), and at ATen's scalar level once."""
+    """The tiny budget trained on this machine: at AVX2 twice (once as this host would dispatch, once told to go
+    wider), at ATen's scalar level once, and at AVX2 with a one-line change of the recipe.
+
+    Each training runs on one thread (wmtp.model.train.Budget.threads) in its own process, so they run side by
+    side: the cores are shared, the arithmetic of each run is not."""
     base = tmp_path_factory.mktemp("tiny-budget")
-    return {
-        "avx2": _train_tiny(engine_python, base / "avx2", "avx2", {}),
-        "avx2 wider": _train_tiny(engine_python, base / "avx2-wider", "avx2", HOST_LEVELS),
-        "default": _train_tiny(engine_python, base / "default", "default", {}),
+    runs = {
+        "avx2": (base / "avx2", "avx2", {}, None),
+        "avx2 wider": (base / "avx2-wider", "avx2", HOST_LEVELS, None),
+        "default": (base / "default", "default", {}, None),
+        "mutated": (base / "mutated", "avx2", {}, MUTATED_RECIPE),
     }
+    started = {name: _start_training(engine_python, *args) for name, args in runs.items()}
+    try:
+        return {name: _finished_training(proc, runs[name][0]) for name, proc in started.items()}
+    finally:
+        for proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
 
 
 def test_the_committed_course_was_made_elsewhere_and_holds_every_step():
@@ -214,11 +237,10 @@ def test_a_run_on_this_cpu_reproduces_the_course_made_on_another(tiny_runs, leve
 
 
 @pytest.mark.engine
-def test_a_one_line_change_of_the_recipe_does_not_reproduce_the_course(engine_python, tmp_path):
+def test_a_one_line_change_of_the_recipe_does_not_reproduce_the_course(tiny_runs):
     from wmtp.model.reproduce import compare, expectation
 
-    mutated = _train_tiny(engine_python, tmp_path / "mutated", "avx2", {}, MUTATED_RECIPE)
-    problems = compare(json.loads(EXPECTED_COURSE.read_text()), expectation(mutated))
+    problems = compare(json.loads(EXPECTED_COURSE.read_text()), expectation(tiny_runs["mutated"]))
     assert problems and problems[0].startswith("target_loss at step "), problems
 
 

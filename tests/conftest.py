@@ -12,7 +12,9 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -103,6 +105,61 @@ def trained_none(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -
     install_fixture(model)
     clock, reference = serve(engine_python, "none", model, work, [read_clock, read_reference])
     return {"clock": clock, "reference": reference}
+
+
+# The in-process engines of tests/test_plugin_vllm.py and tests/test_plugin_ring.py: one working folder, one
+# vLLM cache and short TMPDIR, and one random-weight model for both files (a model build is an interpreter that
+# imports torch).
+
+
+def build_tiny_model(python: str, out: Path, *extra: str) -> Path:
+    subprocess.run(
+        [python, "-m", "wmtp.model.tiny", "--out", str(out), *extra], check=True, capture_output=True, timeout=300
+    )
+    return out
+
+
+BUILD_SCALED = r"""
+import sys
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+path = Path(sys.argv[1]) / "model.safetensors"
+state = load_file(str(path))
+name = "mtp.layers.0.self_attn.o_proj.weight"
+state[name] = (state[name].float() * 30).to(state[name].dtype)
+save_file(state, str(path), metadata={"format": "pt"})
+"""
+
+
+@pytest.fixture(scope="session")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("plugin")
+
+
+@pytest.fixture(scope="session")
+def engine_env(work: Path):
+    # One vLLM cache and one short TMPDIR (ZMQ socket paths) for every engine: caches carry over.
+    cache = work / "vllm-cache"
+    cache.mkdir(exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="wmtp-plugin-"))  # short: ZMQ socket paths are limited to 107 characters
+    yield {
+        "VLLM_CACHE_ROOT": str(cache),
+        "TMPDIR": str(tmp),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def random_model(engine_python: str, work: Path) -> Path:
+    """The random-weight tiny model with its MTP layer's o_proj scaled ×30: its draft's proposals react to what
+    its attention reads (tests/test_plugin_vllm.py's docstring)."""
+    out = build_tiny_model(engine_python, work / "tiny-random")
+    subprocess.run([engine_python, "-c", BUILD_SCALED, str(out)], check=True, capture_output=True, timeout=120)
+    return out
 
 
 @pytest.fixture

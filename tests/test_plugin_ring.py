@@ -3,8 +3,8 @@
 One engine interpreter runs, in process (``LLM``, engine core and worker in one process), wmtp and wmtp-ring at
 two (S, W), stepping the engine by hand so that after every step it can read the scheduler's own accounting: the
 draft group's block list (freed entries are vLLM's null block), each block's reference count and the pool's free
-count. The model is test_plugin_vllm's random-weight model with the draft's o_proj ×30 (its proposals react to
-what its attention reads), built with the same helpers.
+count. The model is the random-weight model with the draft's o_proj ×30 (its proposals react to what its
+attention reads) that test_plugin_vllm's engines read too: one build, tests/conftest.py's ``random_model``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-from test_plugin_vllm import engine_env, random_model, work  # noqa: F401 (fixtures shared with that file)
 
 from wmtp.plugin import window as win
 
@@ -101,7 +100,7 @@ json.dump(out, open(sys.argv[2], "w"))
 
 
 @pytest.fixture(scope="module")
-def runs(engine_python, random_model, work, engine_env) -> dict:  # noqa: F811 (fixtures imported above)
+def runs(engine_python, random_model, work, engine_env) -> dict:
     rng = random.Random(5)
     prompts = {n: [rng.randint(1, 2047) for _ in range(n)] for n in (SHORT, LONG)}
     engines = [

@@ -33,16 +33,15 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import build_tiny_model
 
 from wmtp.plugin import hookpoints as hp
 from wmtp.plugin import window as win
@@ -398,57 +397,9 @@ def test_plugin_inside_the_engine(engine_python):
 # Models
 
 
-BUILD_SCALED = r"""
-import sys
-from pathlib import Path
-from safetensors.torch import load_file, save_file
-path = Path(sys.argv[1]) / "model.safetensors"
-state = load_file(str(path))
-name = "mtp.layers.0.self_attn.o_proj.weight"
-state[name] = (state[name].float() * 30).to(state[name].dtype)
-save_file(state, str(path), metadata={"format": "pt"})
-"""
-
-
-def _build_model(python: str, out: Path, *extra: str) -> Path:
-    subprocess.run(
-        [python, "-m", "wmtp.model.tiny", "--out", str(out), *extra], check=True, capture_output=True, timeout=300
-    )
-    return out
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("plugin")
-
-
-@pytest.fixture(scope="module")
-def engine_env(work):
-    # One vLLM cache and one short TMPDIR (ZMQ socket paths) for every engine: caches carry over.
-    cache = work / "vllm-cache"
-    cache.mkdir(exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="wmtp-plugin-"))  # short: ZMQ socket paths are limited to 107 characters
-    yield {
-        "VLLM_CACHE_ROOT": str(cache),
-        "TMPDIR": str(tmp),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-    }
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def random_model(engine_python, work) -> Path:
-    out = _build_model(engine_python, work / "tiny-random")
-    subprocess.run([engine_python, "-c", BUILD_SCALED, str(out)], check=True, capture_output=True, timeout=120)
-    return out
-
-
 @pytest.fixture(scope="module")
 def zero_model(engine_python, work) -> Path:
-    return _build_model(engine_python, work / "tiny-zero", "--zero-lm-head")
+    return build_tiny_model(engine_python, work / "tiny-zero", "--zero-lm-head")
 
 
 def _prompts() -> dict[int, list[int]]:

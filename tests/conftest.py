@@ -138,9 +138,11 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def engine_env(work: Path):
-    # One vLLM cache and one short TMPDIR (ZMQ socket paths) for every engine: caches carry over.
-    cache = work / "vllm-cache"
-    cache.mkdir(exist_ok=True)
+    # The engine's vLLM cache, as every cell's server gets it (wmtp.cli), and one short TMPDIR (ZMQ socket paths)
+    # for every engine: what vLLM learned of a model class carries over instead of costing each interpreter a
+    # subprocess that imports vLLM again.
+    cache = engines_dir() / ENGINE_NAME / "cache" / "vllm"
+    cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="wmtp-plugin-"))  # short: ZMQ socket paths are limited to 107 characters
     yield {
         "VLLM_CACHE_ROOT": str(cache),

@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from conftest import ENGINE_NAME, engines_dir
 
 from wmtp.analyze import costmodel
 from wmtp.analyze.tidy import admission_table
@@ -189,6 +190,8 @@ def test_the_ring_serves_one_more_request_where_wmtp_queues(engine_python, tmp_p
     """In the real CPU build: wmtp's KV holds 2 requests of 4,076 prompt tokens, the ring's 3; 3 arrive at once.
     The committed model accepts whole drafts often enough that a draft cut at max_model_len would stop vLLM here."""
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # The engine's vLLM cache, which the cells share (wmtp.cli): a fresh one costs a subprocess importing vLLM.
+    env["VLLM_CACHE_ROOT"] = str(engines_dir() / ENGINE_NAME / "cache" / "vllm")
     out = tmp_path / "proof.json"
     found = adm.run_in_engine(engine_python, env, TRAINED_CHECKPOINT, out, sink=16, window=256, k=3, max_model_len=4096)
     assert (tmp_path / "proof.json.log").read_text().count("wmtp: ring:") >= 1  # the engine's own output, kept

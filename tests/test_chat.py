@@ -143,7 +143,11 @@ def test_chat_cell_on_the_real_server(engine_python, tmp_path):
     manifest = json.loads((engines_dir() / engine.name / "manifest.json").read_text())
     assert Path(manifest["python"]) == Path(engine_python) or manifest["python"]
     out = tmp_path / "results" / "chat" / "raw" / cell.cell_id
-    run_cell(CellRun(study=study, cell=cell, out_dir=out, engine_manifest=manifest, model_dir=model_dir))
+    # The engine's vLLM cache, as the pipeline gives every cell (wmtp.cli).
+    cache_dir = engines_dir() / engine.name / "cache"
+    run_cell(
+        CellRun(study=study, cell=cell, out_dir=out, engine_manifest=manifest, model_dir=model_dir, cache_dir=cache_dir)
+    )
     requests = pd.read_parquet(out / "requests.parquet")
     measured = requests[~requests["warmup"]]
     assert len(measured) == 4 and set(measured["workload"]) == {"code", "copy"}

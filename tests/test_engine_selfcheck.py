@@ -7,6 +7,7 @@ import os
 import subprocess
 
 import pytest
+from conftest import ENGINE_NAME, engines_dir
 
 from wmtp.config import EngineSpec
 from wmtp.engines.build import SELFCHECK_MODEL, EngineBuildError, behaviour_check
@@ -16,6 +17,8 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_O
 
 def _selfcheck(engine_python: str, extra_env: dict[str, str]) -> subprocess.CompletedProcess:
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **CPU_ENV, **extra_env}
+    # The engine's vLLM cache, which the cells share (wmtp.cli): a fresh one costs a subprocess importing vLLM.
+    env.setdefault("VLLM_CACHE_ROOT", str(engines_dir() / ENGINE_NAME / "cache" / "vllm"))
     return subprocess.run(
         [engine_python, "-m", "wmtp.plugin.selfcheck", "--model", str(SELFCHECK_MODEL)],
         capture_output=True,

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from conftest import ENGINE_NAME, REPO
+from conftest import ENGINE_NAME, REPO, engines_dir
 
 MAX_MODEL_LEN = 2048
 
@@ -56,7 +56,9 @@ def serve(
         )
     )
     short_tmp = Path(tempfile.mkdtemp(prefix="wmtp-ts-"))
-    env = vllm.server_env(spec.env, work / "cache", short_tmp)
+    # The engine's own cache, as every cell's server gets it (wmtp.cli): vLLM keeps what it learned of a model class
+    # there, which a fresh cache pays for with a subprocess that imports vLLM again at every start.
+    env = vllm.server_env(spec.env, engines_dir() / ENGINE_NAME / "cache", short_tmp)
     control_dir = work / f"control-{arm}"
     control_dir.mkdir(parents=True, exist_ok=True)
     env["WMTP_PLUGIN_TEST_DIR"] = str(control_dir)

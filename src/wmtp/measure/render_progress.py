@@ -58,8 +58,11 @@ def _phase_table(progress: StudyProgress) -> Table:
     table.add_column("phase")
     table.add_column("s", justify="right")
     for cell_id, timeline in progress.timelines.items():
-        for phase in timeline.phases:
-            table.add_row(cell_id, phase.name, f"{phase.seconds:.1f}")
+        # The cell named once, on its first phase: the rows below it are its own.
+        for i, phase in enumerate(timeline.phases):
+            table.add_row(cell_id if i == 0 else "", phase.name, f"{phase.seconds:.1f}", end_section=False)
+        if timeline.phases:
+            table.add_section()
     return table
 
 

@@ -54,15 +54,20 @@ def _label(row: dict[str, Any]) -> str:
     return str(row.get("label") or row.get("series") or row.get("arm"))
 
 
+def _intervals(at: pd.DataFrame, value: str, lo: str, hi: str, *, null: float | None = None, unit: str = "") -> str:
+    """Each series' ``value`` with its interval [``lo``, ``hi``], listed: 'a 1.2 [1.1, 1.3] s and b …'."""
+    return _listing(
+        _records(at), lambda r: f"{_label(r)} {fmt_interval(_num(r, value), _num(r, lo), _num(r, hi), null=null)}{unit}"
+    )
+
+
 def decode_sentence(section: Section) -> str:
     """Decode rate of each series at the longest context, with its bootstrap interval over repeats."""
     if not section.available:
         return ""
     at = _longest(section.frame)
     where = context_label(at["rung"].iloc[0])
-    listed = _listing(
-        _records(at), lambda r: f"{_label(r)} {fmt_interval(_num(r, 'value'), _num(r, 'lo'), _num(r, 'hi'))}"
-    )
+    listed = _intervals(at, "value", "lo", "hi")
     return f"At {where} each arm decoded, in tokens a second (median over repeats, bootstrap interval): {listed}."
 
 
@@ -72,10 +77,7 @@ def speedup_sentence(section: Section) -> str:
         return ""
     at = _longest(section.frame)
     where = context_label(at["rung"].iloc[0])
-    listed = _listing(
-        _records(at),
-        lambda r: f"{_label(r)} {fmt_interval(_num(r, 'speedup'), _num(r, 'lo'), _num(r, 'hi'), null=1.0)}×",
-    )
+    listed = _intervals(at, "speedup", "lo", "hi", null=1.0, unit="×")
     return (
         f"At {where} each draft decoded this many times as fast as no draft on the same prompts (95 % interval over "
         f"the prompts): {listed}."
@@ -200,10 +202,7 @@ def energy_sentence(section: Section) -> str:
     if not section.available:
         return ""
     at = _longest(section.frame)
-    listed = _listing(
-        _records(at),
-        lambda r: f"{_label(r)} {fmt_interval(_num(r, 'tok_per_j'), _num(r, 'tok_per_j_lo'), _num(r, 'tok_per_j_hi'))}",
-    )
+    listed = _intervals(at, "tok_per_j", "tok_per_j_lo", "tok_per_j_hi")
     return (
         f"At {context_label(at['rung'].iloc[0])} a joule decoded, in tokens (bootstrap interval over repeats; the "
         f"right panel is the board's power): {listed}."
@@ -215,10 +214,7 @@ def prefill_sentence(section: Section) -> str:
     if not section.available:
         return ""
     at = _longest(section.frame)
-    listed = _listing(
-        _records(at),
-        lambda r: f"{_label(r)} {fmt_interval(_num(r, 'ttft_s'), _num(r, 'ttft_s_lo'), _num(r, 'ttft_s_hi'))} s",
-    )
+    listed = _intervals(at, "ttft_s", "ttft_s_lo", "ttft_s_hi", unit=" s")
     return (
         f"At {context_label(at['rung'].iloc[0])} the first token came after (bootstrap interval over repeats; the "
         f"right panel is the prefill's rate): {listed}."

@@ -97,6 +97,20 @@ def cmd_cell_study(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_iteration_statistic(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from wmtp.analyze import scheduler_log
+
+    read = scheduler_log.vllm_lines if args.engine == "vllm" else scheduler_log.sglang_lines
+    for log in args.logs:
+        with log.open(errors="replace") as lines:
+            found = scheduler_log.iteration_statistic(read(lines), args.batch)
+        figures = dataclasses.asdict(found) if found else {"lines": 0}
+        print(json.dumps({"log": str(log), "batch": args.batch, **figures}))
+    return 0
+
+
 def cmd_step_table(args: argparse.Namespace) -> int:
     import pandas as pd
 
@@ -257,6 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", default="code")
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_step_table)
+
+    p = sub.add_parser(
+        "iteration-statistic", help="the paper's iteration (TPOT × accept length) from a server log's decode lines"
+    )
+    p.add_argument("--engine", choices=("vllm", "sglang"), required=True)
+    p.add_argument("--batch", type=int, default=1, help="the requests running together in a steady-state line")
+    p.add_argument("logs", type=Path, nargs="+", help="server logs")
+    p.set_defaults(func=cmd_iteration_statistic)
 
     p = sub.add_parser("write-study", help="validate a resolved study (JSON) and write it, as the rules read it")
     p.add_argument("--study-json", required=True, help="the study as one JSON object")

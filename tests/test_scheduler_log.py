@@ -1,0 +1,67 @@
+# ruff: noqa: E501  (log lines as the engines write them, whole)
+"""The paper's iteration statistic from scheduler log lines, in the formats vLLM 0.24 and SGLang write them."""
+
+import json
+
+import pytest
+
+from wmtp.analyze.scheduler_log import iteration_statistic, sglang_lines, vllm_lines
+from wmtp.cli import main
+
+VLLM_LOG = """\
+(APIServer pid=1117) INFO 12-03 16:33:43 [loggers.py:273] Engine 000: Avg prompt throughput: 10.4 tokens/s, Avg generation throughput: 2.6 tokens/s, Running: 1 reqs, Waiting: 0 reqs, GPU KV cache usage: 3.7%, Prefix cache hit rate: 0.0%
+(APIServer pid=1117) INFO 12-03 16:33:43 [metrics.py:120] SpecDecoding metrics: Mean acceptance length: 1.00, Accepted throughput: 0.00 tokens/s, Drafted throughput: 7.33 tokens/s, Accepted: 0 tokens, Drafted: 90 tokens, Per-position acceptance rate: 0.000, 0.000, 0.000, Avg Draft acceptance rate: 0.0%
+(APIServer pid=1117) INFO 12-03 16:33:53 [loggers.py:273] Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 100.0 tokens/s, Running: 1 reqs, Waiting: 0 reqs, GPU KV cache usage: 9.4%, Prefix cache hit rate: 0.0%
+(APIServer pid=1117) INFO 12-03 16:33:53 [metrics.py:120] SpecDecoding metrics: Mean acceptance length: 2.50, Accepted throughput: 60.00 tokens/s, Drafted throughput: 120.0 tokens/s, Accepted: 600 tokens, Drafted: 1200 tokens, Per-position acceptance rate: 0.700, 0.500, 0.300, Avg Draft acceptance rate: 50.0%
+(APIServer pid=1117) INFO 12-03 16:34:03 [loggers.py:273] Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 200.0 tokens/s, Running: 1 reqs, Waiting: 0 reqs, GPU KV cache usage: 9.4%, Prefix cache hit rate: 0.0%
+(APIServer pid=1117) INFO 12-03 16:34:03 [metrics.py:120] SpecDecoding metrics: Mean acceptance length: 4.00, Accepted throughput: 150.00 tokens/s, Drafted throughput: 150.0 tokens/s, Accepted: 1500 tokens, Drafted: 1500 tokens, Per-position acceptance rate: 1.000, 1.000, 1.000, Avg Draft acceptance rate: 100.0%
+(APIServer pid=1117) INFO 12-03 16:34:13 [loggers.py:273] Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 50.0 tokens/s, Running: 1 reqs, Waiting: 0 reqs, GPU KV cache usage: 9.4%, Prefix cache hit rate: 0.0%
+(APIServer pid=1117) INFO 12-03 16:34:23 [loggers.py:273] Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 90.0 tokens/s, Running: 2 reqs, Waiting: 1 reqs, GPU KV cache usage: 9.4%, Prefix cache hit rate: 0.0%
+"""
+
+SGLANG_LOG = """\
+[2026-12-03 16:00:01] Prefill batch, #new-seq: 1, #new-token: 16384, #cached-token: 0, token usage: 0.01, #running-req: 0, #queue-req: 0,
+[2026-12-03 16:00:09] Decode batch, #running-req: 1, #token: 1040100, token usage: 0.40, accept len: 4.49, accept rate: 0.75, cuda graph: True, gen throughput (token/s): 168.16, #queue-req: 0,
+[2026-12-03 16:00:10] Decode batch, #running-req: 1, #token: 1040300, token usage: 0.40, accept len: 4.74, accept rate: 0.79, cuda graph: True, gen throughput (token/s): 257.61, #queue-req: 0,
+[2026-12-03 16:00:11] Decode batch, #running-req: 1, #token: 1040500, token usage: 0.40, cuda graph: True, gen throughput (token/s): 37.45, #queue-req: 0,
+"""
+
+
+def test_vllm_pairs_each_interval_with_its_acceptance_and_keeps_decode_alone():
+    lines = vllm_lines(VLLM_LOG.splitlines())
+    assert [line.accept_length for line in lines] == [1.0, 2.5, 4.0, 1.0, 1.0]
+    found = iteration_statistic(lines, batch=1)
+    # Steady: 2.5/100 = 25 ms, 4/200 = 20 ms, 1/50 = 20 ms; the prefill's interval and the batch of 2 are left out.
+    assert found is not None and found.lines == 3
+    assert found.iteration_ms == pytest.approx(20.0)
+    assert found.mean_accept_length == pytest.approx(2.5)
+    assert found.tpot_ms == pytest.approx(8.0)
+
+
+def test_a_batch_shares_the_throughput_and_a_waiting_request_is_not_steady():
+    lines = vllm_lines(VLLM_LOG.splitlines())
+    assert iteration_statistic(lines, batch=2) is None
+    batch_of_two = vllm_lines([VLLM_LOG.splitlines()[-1].replace("Waiting: 1", "Waiting: 0")])
+    assert iteration_statistic(batch_of_two, batch=2).iteration_ms == pytest.approx(2 * 1000 / 90)
+
+
+def test_sglang_decode_lines_read_with_and_without_a_draft():
+    lines = sglang_lines(SGLANG_LOG.splitlines())
+    assert [(line.accept_length, line.gen_tokens_per_s) for line in lines] == [
+        (4.49, 168.16),
+        (4.74, 257.61),
+        (1.0, 37.45),
+    ]
+    found = iteration_statistic(lines[:2], batch=1)
+    assert found.iteration_ms == pytest.approx(1000 * (4.49 / 168.16 + 4.74 / 257.61) / 2)
+
+
+def test_the_command_prints_one_line_per_log(tmp_path, capsys):
+    log = tmp_path / "server.log"
+    log.write_text(VLLM_LOG)
+    empty = tmp_path / "empty.log"
+    empty.write_text("")
+    assert main(["iteration-statistic", "--engine", "vllm", str(log), str(empty)]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed[0]["iteration_ms"] == pytest.approx(20.0) and printed[0]["lines"] == 3
+    assert printed[1] == {"log": str(empty), "batch": 1, "lines": 0}

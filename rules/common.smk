@@ -127,6 +127,14 @@ def tiny_builder_engine():
 # Checkpoints that rule `model` fetches from the Hub, by their path.
 FETCHED = {m.path: m for m in STUDY.models if m.hf_id and m.path}
 
+# Checkpoints served through a copy whose config carries the study's RoPE scaling (rule stretched_model).
+STRETCHED = {m.name: m for m in STUDY.models if m.rope_scaling}
+
+
+def checkpoint_files(model):
+    """What a checkpoint on disk needs before it is read: a fetched one its download record, a local one nothing."""
+    return [f"{model.path}/{DOWNLOAD_MANIFEST}"] if model.path in FETCHED else []
+
 
 def model_files(model_name):
     """What a cell needs of its model: generated models and fetched checkpoints are rule outputs (a fetched
@@ -134,9 +142,9 @@ def model_files(model_name):
     model = STUDY.model(model_name)
     if model.generate:
         return [MODELS / model_name / "config.json", MODELS / model_name / "tokenizer.json"]
-    if model.path in FETCHED:
-        return [f"{model.path}/{DOWNLOAD_MANIFEST}"]
-    return []
+    if model.rope_scaling:
+        return [MODELS / model_name / "config.json"]
+    return checkpoint_files(model)
 
 
 def cell_dir(cell_id):

@@ -77,6 +77,30 @@ rule dummy_model:
         "--max-position-embeddings {params.max_len:q} > {log:q} 2>&1"
 
 
+# A checkpoint on disk served with the study's RoPE scaling written into its config (wmtp.model.stretch): a folder
+# under the models directory with that config.json and a link to every other file of the checkpoint.
+rule stretched_model:
+    localrule: True
+    input:
+        checkpoint=lambda wc: checkpoint_files(STRETCHED[wc.model]),
+    output:
+        config=MODELS / "{model}" / "config.json",
+    wildcard_constraints:
+        model="|".join(re.escape(name) for name in STRETCHED) or "(?!)",
+    log:
+        MODELS / "{model}.log",
+    params:
+        py=PY,
+        source=lambda wc: STRETCHED[wc.model].path,
+        out=lambda wc: MODELS / wc.model,
+        rope_scaling=lambda wc: json.dumps(STRETCHED[wc.model].rope_scaling, sort_keys=True),
+    conda:
+        "../envs/pipeline.yaml"
+    shell:
+        "{params.py} -m wmtp.model.stretch --source {params.source:q} --out {params.out:q} "
+        "--rope-scaling {params.rope_scaling:q} --log {log:q}"
+
+
 # Trains the CPU recipe (wmtp.model.train, "cpu": 512-token rows, bitwise reproducible) from scratch on this CPU
 # (about 15 min on two cores); not part of `all`. Ask for it by path, e.g.
 # `snakemake results/models/tiny.train/model.safetensors`. The committed checkpoint is the GPU recipe

@@ -150,12 +150,15 @@ class ModelSpec(_Strict):
     # are a model family's vocabulary: enable_thinking is Qwen's).
     prompt_format: Literal["raw", "chat"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # RoPE scaling written into a copy of the checkpoint's config (weights linked; wmtp.model.stretch), which the
+    # cells serve in place of a runtime override of the config, e.g. YaRN to take a 262K model to 1M.
+    rope_scaling: dict[str, Any] | None = None
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # Left out while unset, so that a study that does not use them keeps its cells' identities.
         data = handler(self)
-        for key in ("revision", "prompt_format", "chat_template_kwargs", "architecture"):
+        for key in ("revision", "prompt_format", "chat_template_kwargs", "architecture", "rope_scaling"):
             if data.get(key) is None:
                 data.pop(key, None)
         return data
@@ -266,9 +269,9 @@ class Study(_Strict):
         raise ConfigError(f"config: no model named {name!r} in study {self.study!r} (its models: {known})")
 
     def model_dir(self, name: str) -> Path:
-        """Where the checkpoint of a model lives (generated models live under models_dir)."""
+        """Where the checkpoint the cells serve lives (generated and stretched models live under models_dir)."""
         spec = self.model(name)
-        if spec.generate:
+        if spec.generate or spec.rope_scaling:
             return Path(self.models_dir) / spec.name
         return Path(spec.path or "")
 
@@ -429,6 +432,7 @@ def _check_models(models: list[Mapping[str, Any]], base_dir: Path) -> None:
         if model.get("revision") is not None and model.get("hf_id") is None:
             raise ConfigError(f"config: models[{i}].revision needs models[{i}].hf_id (the checkpoint it pins)")
         _check_dummy(i, model)
+        _check_rope_scaling(i, model)
         if has_path:
             path = Path(model["path"])
             resolved = path if path.is_absolute() else base_dir / path
@@ -438,6 +442,31 @@ def _check_models(models: list[Mapping[str, Any]], base_dir: Path) -> None:
                     f"config: models[{i}].path {model['path']!r} does not exist "
                     f"(looked in {resolved}); download the checkpoint there or fix the path"
                 )
+
+
+def _check_rope_scaling(i: int, model: Mapping[str, Any]) -> None:
+    """A stretched model is a checkpoint on disk with a scaling factor; its length is then the engine's to check."""
+    rope = model.get("rope_scaling")
+    if rope is None:
+        return
+    if model.get("path") is None:
+        raise ConfigError(
+            f"config: models[{i}].rope_scaling needs models[{i}].path: it is written into a copy of a checkpoint's "
+            "config (a generated model's config is the generator's)"
+        )
+    factor = rope.get("factor") if isinstance(rope, Mapping) else None
+    if not rope or isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 1:
+        raise ConfigError(
+            f"config: models[{i}].rope_scaling must give a factor above 1, e.g. "
+            '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144} '
+            f"(got {rope!r})"
+        )
+    for arg in model.get("serve_args", []):
+        if any(str(arg).startswith(flag) for flag in CONFIG_OVERRIDE_FLAGS.values()):
+            raise ConfigError(
+                f"config: models[{i}] sets rope_scaling and also {arg} in serve_args: an override of the config "
+                "at start-up would replace the RoPE block the stretched copy carries; keep one"
+            )
 
 
 def architecture_file(name: str) -> Path:
@@ -814,6 +843,8 @@ def _check_positions(models: list[Mapping[str, Any]], engines: list[Mapping[str,
             if str(engine.get("env", {}).get(allow, "")).strip().lower() in ("1", "true"):
                 continue
             override = _config_override(i, j, model, engine)
+            if override is not None and model.get("rope_scaling"):
+                override = {**override, "rope_scaling": model["rope_scaling"]}
             limit = None if override is None else _position_limit(config, override)
             if limit is not None and model["max_model_len"] > limit:
                 raise ConfigError(

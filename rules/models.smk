@@ -82,7 +82,8 @@ rule dummy_model:
 rule stretched_model:
     localrule: True
     input:
-        checkpoint=lambda wc: checkpoint_files(STRETCHED[wc.model]),
+        # A fetched checkpoint's download record, or a local checkpoint's own config: a change to either writes again.
+        checkpoint=lambda wc: checkpoint_files(STRETCHED[wc.model]) or [f"{STRETCHED[wc.model].path}/config.json"],
     output:
         config=MODELS / "{model}" / "config.json",
     wildcard_constraints:

@@ -14,6 +14,7 @@ request shorter than its interval has none.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import statistics
 from collections.abc import Iterable
@@ -72,10 +73,7 @@ def vllm_lines(log: Iterable[str]) -> list[DecodeLine]:
         spec = _VLLM_SPEC.search(text)
         if spec and found:
             # vLLM logs the SpecDecoding line right after the stats line of the same interval.
-            last = found[-1]
-            found[-1] = DecodeLine(
-                last.running, last.waiting, float(spec["accept"]), last.gen_tokens_per_s, last.prompt_tokens_per_s
-            )
+            found[-1] = dataclasses.replace(found[-1], accept_length=float(spec["accept"]))
     return found
 
 

@@ -82,7 +82,7 @@ rule dummy_model:
 rule stretched_model:
     localrule: True
     input:
-        # A fetched checkpoint's download record, or a local checkpoint's own config: a change to either writes again.
+        # A fetched checkpoint's download record, or a local checkpoint's own config.
         checkpoint=lambda wc: checkpoint_files(STRETCHED[wc.model]) or [f"{STRETCHED[wc.model].path}/config.json"],
     output:
         config=MODELS / "{model}" / "config.json",

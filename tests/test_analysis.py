@@ -553,6 +553,29 @@ def test_cost_side_table(tables):
     assert an.cost_side_table(plain["rungs"], plain["requests"]).empty
 
 
+def test_the_wedges_interval_is_of_the_two_cycles_not_of_the_two_rates():
+    """Native MTP at 3 tokens per cycle and 100 tok/s (a 30 ms cycle), the window at 2 and 80 tok/s (25 ms): a wedge
+    of +20 %, though the windowed arm decodes slower. Requests without spread pin the interval to the point."""
+    series = {"model": "m", "engine": "e", "k": 3, "concurrency": 1, "workload": "code", "rung": 1000}
+    arms = {"mtp": (3.0, 100.0, math.nan, math.nan), "wmtp": (2.0, 80.0, 16, 256)}
+    rungs = pd.DataFrame(
+        [
+            {**series, "arm": arm, "sink": s, "window": w, "tok_per_verify": tpv, "cycle_ms": an.cycle_ms(tpv, rate)}
+            for arm, (tpv, rate, s, w) in arms.items()
+        ]
+    )
+    requests = pd.DataFrame(
+        [
+            {**series, "arm": arm, "sink": s, "window": w, "decode_tok_s": rate}
+            for arm, (_, rate, s, w) in arms.items()
+            for _ in range(3)
+        ]
+    )
+    row = an.cost_side_table(rungs, requests, n_boot=200).iloc[0]
+    assert row["wedge"] == pytest.approx(0.2)
+    assert row["wedge_lo"] == pytest.approx(0.2) and row["wedge_hi"] == pytest.approx(0.2)
+
+
 def test_cpu_shaped_tables_do_not_break_the_frames():
     cpu = _fixture().build("embedded", shape="cpu")
     req, rungs = cpu["requests"], cpu["rungs"]

@@ -159,6 +159,11 @@ def cost_side_wedge(step_nat_ms: float, step_win_ms: float) -> float:
     return cost_side_ratio(step_nat_ms, step_win_ms) - 1.0
 
 
+def cost_side_wedge_of(step_nat_ms: object, step_win_ms: object) -> np.ndarray:
+    """:func:`cost_side_wedge` over arrays (or an array and a number), as numpy broadcasts them."""
+    return np.vectorize(cost_side_wedge, otypes=[float])(step_nat_ms, step_win_ms)
+
+
 @dataclass(frozen=True)
 class DraftTax:
     """Draft-tax decomposition between two rungs (docs/design.md, "Draft tax"; the Spark study's "The tax is real").
@@ -803,7 +808,7 @@ def cost_side_table(
                 win_req = select_rows(requests, {**key, "rung": rung})
 
                 def wedge(n: np.ndarray, w: np.ndarray, tpv_n: float = tpv_n, tpv_w: float = tpv_w) -> np.ndarray:
-                    return (tpv_n / n) / (tpv_w / w) - 1.0
+                    return cost_side_wedge_of(cycle_ms_of(tpv_n, n), cycle_ms_of(tpv_w, w))
 
                 _, reps = bootstrap_replicates(
                     [nat_req["decode_tok_s"], win_req["decode_tok_s"]],

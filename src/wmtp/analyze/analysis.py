@@ -89,6 +89,20 @@ def cycle_ms_of(tokens_per_verify: object, decode_tokens_per_s: object) -> np.nd
     return np.vectorize(cycle_ms, otypes=[float])(tokens_per_verify, decode_tokens_per_s)
 
 
+def request_cycle_ms_of(
+    request_tok_per_verify: object, rung_tok_per_verify: object, decode_tokens_per_s: object
+) -> np.ndarray:
+    """Each request's verify cycle (ms): :func:`cycle_ms` at the request's own tokens per verify where its cell
+    counted them (NaN where it did not), else at its rung's pooled count.
+
+    Only a request alone on its server owns the counters' increments between two snapshots. At higher concurrency
+    its tokens still came at about the rung's count per cycle; at 1 a drafting request's cycle would read as one
+    token's time, below the cycle's byte floor whenever drafts are accepted.
+    """
+    own = np.asarray(request_tok_per_verify, dtype=float)
+    return cycle_ms_of(np.where(np.isnan(own), rung_tok_per_verify, own), decode_tokens_per_s)
+
+
 def decode_tok_s_from_cycle_ms(cycle_milliseconds: float, tokens_per_verify: float = 1.0) -> float:
     """The inverse of :func:`cycle_ms`: the decode rate a cycle time and tokens per cycle imply."""
     if not cycle_milliseconds or math.isnan(cycle_milliseconds):

@@ -655,6 +655,14 @@ def published_comparison(tidy: Tidy, published: pd.DataFrame, study: str, **boot
     return Section(pd.DataFrame(rows), tuple(notes))
 
 
+def published_sources(published: pd.DataFrame, study: str) -> pd.DataFrame:
+    """Each source of the study's published numbers once, with its verbatim quote (``source``, ``source_quote``)."""
+    if published.empty:
+        return pd.DataFrame(columns=["source", "source_quote"])
+    rows = published[published["study"] == study][["source", "source_quote"]]
+    return rows.drop_duplicates().reset_index(drop=True)
+
+
 def published_display(section: Section) -> pd.DataFrame:
     """The comparison as a table for people."""
     if not section.available:

@@ -185,7 +185,7 @@ def _engine_window(sink: float, window: float, read_sink: float) -> str:
 
 def windows_sentence(steps: pd.DataFrame | None, replica: pd.DataFrame | None) -> str:
     """The sink and window the replica ran (from its table) and the engine's windowed arm (from its step file, with
-    the sink it really read), e.g. 'The replica ran S 64, W 4032; the engine S 16, W 4096, which it reads as a sink
+    the sink it really read), e.g. 'The replica ran S 16, W 128; the engine S 16, W 4096, which it reads as a sink
     of one 560-token block.' Only the windows that act at some context: a window-off control is said apart."""
     parts = []
     if replica is not None and not replica.empty and {"sink", "window"} <= set(replica.columns):

@@ -234,6 +234,14 @@ def test_seed_speedup_from_energy_is_the_1_6x_decode_win():
     assert 0.45 < lo.point - 1 < 0.65 and 0.45 < hi.point - 1 < 0.65
 
 
+def test_a_requests_cycle_takes_its_own_tokens_per_verify_else_its_rungs():
+    """At 100 tok/s: a request that counted 3 tokens a cycle took 30 ms a cycle whatever its rung's pooled 2.5; one
+    its cell did not count is timed at the rung's 2.5 (25 ms), never at one token a cycle (10 ms)."""
+    cycles = an.request_cycle_ms_of([3.0, math.nan, math.nan], [2.5, 2.5, math.nan], [100.0, 100.0, 100.0])
+    assert cycles[:2] == pytest.approx([30.0, 25.0])
+    assert math.isnan(cycles[2])  # neither count: no cycle
+
+
 def test_edge_cases_of_the_rate_formulas():
     assert math.isnan(an.decode_tok_s(1, 3.5, 1.0))  # one token is all prefill: no decode window
     assert math.isnan(an.decode_tok_s(10, 1.0, 1.0))

@@ -234,6 +234,14 @@ def test_seed_speedup_from_energy_is_the_1_6x_decode_win():
     assert 0.45 < lo.point - 1 < 0.65 and 0.45 < hi.point - 1 < 0.65
 
 
+def test_a_requests_cycle_takes_its_own_tokens_per_verify_else_its_rungs():
+    """At 100 tok/s: a request that counted 3 tokens a cycle took 30 ms a cycle whatever its rung's pooled 2.5; one
+    its cell did not count is timed at the rung's 2.5 (25 ms), never at one token a cycle (10 ms)."""
+    cycles = an.request_cycle_ms_of([3.0, math.nan, math.nan], [2.5, 2.5, math.nan], [100.0, 100.0, 100.0])
+    assert cycles[:2] == pytest.approx([30.0, 25.0])
+    assert math.isnan(cycles[2])  # neither count: no cycle
+
+
 def test_edge_cases_of_the_rate_formulas():
     assert math.isnan(an.decode_tok_s(1, 3.5, 1.0))  # one token is all prefill: no decode window
     assert math.isnan(an.decode_tok_s(10, 1.0, 1.0))
@@ -551,6 +559,29 @@ def test_cost_side_table(tables):
     assert row["wedge_lo"] <= row["wedge"] <= row["wedge_hi"]
     plain = _fixture().build("x", windowed=False)
     assert an.cost_side_table(plain["rungs"], plain["requests"]).empty
+
+
+def test_the_wedges_interval_is_of_the_two_cycles_not_of_the_two_rates():
+    """Native MTP at 3 tokens per cycle and 100 tok/s (a 30 ms cycle), the window at 2 and 80 tok/s (25 ms): a wedge
+    of +20 %, though the windowed arm decodes slower. Requests without spread pin the interval to the point."""
+    series = {"model": "m", "engine": "e", "k": 3, "concurrency": 1, "workload": "code", "rung": 1000}
+    arms = {"mtp": (3.0, 100.0, math.nan, math.nan), "wmtp": (2.0, 80.0, 16, 256)}
+    rungs = pd.DataFrame(
+        [
+            {**series, "arm": arm, "sink": s, "window": w, "tok_per_verify": tpv, "cycle_ms": an.cycle_ms(tpv, rate)}
+            for arm, (tpv, rate, s, w) in arms.items()
+        ]
+    )
+    requests = pd.DataFrame(
+        [
+            {**series, "arm": arm, "sink": s, "window": w, "decode_tok_s": rate}
+            for arm, (_, rate, s, w) in arms.items()
+            for _ in range(3)
+        ]
+    )
+    row = an.cost_side_table(rungs, requests, n_boot=200).iloc[0]
+    assert row["wedge"] == pytest.approx(0.2)
+    assert row["wedge_lo"] == pytest.approx(0.2) and row["wedge_hi"] == pytest.approx(0.2)
 
 
 def test_cpu_shaped_tables_do_not_break_the_frames():

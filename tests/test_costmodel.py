@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from wmtp.analyze import costmodel as cm
+from wmtp.analyze import floor as fl
 
 MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
 
@@ -108,6 +109,27 @@ def test_gdn_moe_overhead_and_none_arm():
     # Plain decode: T = 1 -> distinct experts 2; weights (192+232+256+232)*2 + 16 = 1840 B;
     # KV (101 + 1) * 16 = 1632 B; state 32*2 + 96 = 160 B; lm_head 256 B.
     assert p.none.time_s == pytest.approx((1840 + 1632 + 160 + 256) / 1000.0 + 0.5)
+
+
+def test_a_batch_reads_the_weights_once_and_each_requests_kv_and_state():
+    # Two requests, verify T = 4: 8 tokens touch 4*(1 - 0.5**8) = 3.984375 experts -> MoE 88 + 286.875 per layer;
+    # weights (192 + 374.875 + 256 + 374.875) * 2 B + 8 embedding rows * 16 B = 2523.5 B; KV and state twice
+    # one request's (1728, 256 B); lm_head once. Draft, 2 tokens: 3 experts -> MoE 304; 256 + 304 + fusion 128
+    # = 688 el -> 1376 B + 2 rows * 16 B; KV twice one request's (1632 B native, 336 B windowed).
+    spec = cm.model_from_dict(GDN_MOE)
+    verify = cm.verify_bytes(spec, 100, 4, batch=2)
+    assert (verify.weights, verify.kv, verify.state, verify.lm_head) == pytest.approx((2523.5, 3456, 512, 256))
+    draft = cm.draft_bytes(spec, 100, "mtp", batch=2)
+    assert (draft.weights, draft.kv, draft.lm_head) == pytest.approx((1408, 3264, 256))
+    assert cm.draft_bytes(spec, 100, "wmtp", 4, 16, batch=2).kv == pytest.approx(672)
+    # the floor's components are these bytes, the draft's over its k = 3 forwards
+    parts = fl.step_bytes(spec, 100, 3, "mtp", batch=2)
+    assert parts == pytest.approx(
+        {"target_attn": 3456, "target_other": 2523.5 + 512, "lm_head": 256,
+         "draft_attn": 3 * 3264, "draft_other": 3 * 1408, "draft_lm_head": 3 * 256}
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="batch"):
+        cm.verify_bytes(spec, 100, 4, batch=0)
 
 
 def test_mamba2_latent_moe_hand_computed():

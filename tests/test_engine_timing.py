@@ -84,6 +84,20 @@ def test_a_cycle_below_its_byte_floor_is_screened_and_named():
     assert math.isnan(screened.loc[1, "ttft_s"])
 
 
+def test_a_drafting_request_its_cell_did_not_count_is_timed_at_its_rungs_tokens_per_cycle():
+    """Two requests at once share the counters: each is timed at its rung's pooled count. A token every 3 ms at 3
+    tokens a cycle is a 9 ms cycle, above its 6 ms floor; timed at one token a cycle it would read 3 ms and be
+    screened out. At 1.5 tokens a cycle the same rate is a 4.5 ms cycle, below it."""
+    base = {"rung": 131072, "k": 3, "arm": "mtp", "completion_tokens": 128, "floor_ms": 6.0, "ttft_s": 20.0}
+    frame = pd.DataFrame([{**base, "decode_s": 127 * 3e-3}, {**base, "decode_s": 127 * 3e-3}])
+    screened = screen_requests(frame, pd.Series([3.0, 1.5]))
+    assert list(screened["request_cycle_ms"]) == pytest.approx([9.0, 4.5])
+    assert list(screened["excluded"]) == [False, True]
+    assert screened.loc[1, "exclusion"] == "cycle 4.5 ms below its byte floor 6 ms"
+    # without the rung's count a drafting request has no cycle to set against its floor
+    assert not screen_requests(frame)["excluded"].any()
+
+
 def _request(server: int, arm: str, rung: int, step_ms: float, floor_ms: float, started: str = "") -> dict:
     windowed = arm == "wmtp"
     cell_id = f"m/{arm}/server~{server}"

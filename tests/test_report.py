@@ -243,6 +243,13 @@ def test_report_data_full(full_tidy_dir):
     assert (cyc["relative_difference"].abs() < 0.01).all()
     share = data.published_vs_measured.frame.query("quantity == 'draft_share_pct'").iloc[0]
     assert share["measured"] == pytest.approx(8.8, abs=1.0)
+    # what the notebook shows beside the sections comes ready too
+    assert data.rungs == [2040, 32779, 131290]
+    assert set(data.answer_rows["quantity"]) >= {"speedup", "cost_side_ratio"}
+    assert set(data.published_sources.columns) == {"source", "source_quote"} and len(data.published_sources)
+    assert data.published_sources.duplicated().sum() == 0
+    assert data.engine_windows == "The replica ran S 16, W 128."  # no engine step file given
+    assert data.engine_cycles.empty and not data.engine_clock.available and data.paper_marks.empty
 
 
 def test_report_data_bare_says_what_is_missing(bare_tidy_dir):
@@ -549,8 +556,13 @@ def test_the_report_shows_the_claim_the_floor_and_the_batch_sweep_from_the_repli
     out = tmp_path / "replica.parquet"
     assert rp.main(["tidy", "--raw", str(ROOT / "measurements" / "h200"), "--models-dir",
                     str(ROOT / "config" / "models"), "--out", str(out)]) == 0  # fmt: skip
-    data = sections.load_report_data("spark-128k", full_tidy_dir, PUBLISHED, replica_path=out, n_boot=100)
+    steps = ROOT / "measurements" / "h200" / "vllm_qwen3.6-35b-a3b.csv"
+    data = sections.load_report_data("spark-128k", full_tidy_dir, PUBLISHED, out, [steps], n_boot=100)
     assert data.paper.available and set(data.paper.frame["context"]) == {"1M"}
+    # the real engine beside it: its cycles, the clocks' check, the paper's mark and which windows each ran
+    assert set(data.engine_cycles["arm"]) == {"none", "mtp", "wmtp"} and data.engine_clock.notes
+    assert list(data.paper_marks["model"]) == ["qwen3.6-35b-a3b"]
+    assert data.engine_windows.startswith("The replica ran S 64, W 4032; the engine S 16, W 4096")
     floor = data.replica_floor.frame
     assert {"none", "mtp", "wmtp"} <= set(floor["arm"]) and (floor["step / floor"] > 0.9).all()
     batch = data.replica_batch.frame

@@ -89,3 +89,20 @@ def test_each_arms_cycles_by_both_clocks_in_arm_order():
     assert list(dict.fromkeys(cycles["arm"])) == ["none", "mtp", "wmtp"]
     assert (cycles.groupby("series")["tokens"].apply(lambda t: t.is_monotonic_increasing)).all()
     assert cycles.loc[cycles["series"] == "mtp k=3", "client_step_ms"].tolist() == [10.7, 11.9, 15.6]
+
+
+def test_the_windows_each_ran_are_read_from_the_replica_table_and_the_step_file():
+    steps = engine_steps.load_engine_steps([COMMITTED])
+    replica = pd.DataFrame({"sink": [64, 64], "window": [4032, 4032]})
+    assert engine_steps.windows_sentence(steps, replica) == (
+        "The replica ran S 64, W 4032; the engine S 16, W 4096, which it reads as a sink of one 560-token block."
+    )
+    # a window that covers every context is the window-off control, not a window the engine ran
+    control = _row("wmtp", 131072, 10.0, 10.0, 0.0) | {"S": 16, "W": 1 << 20}
+    assert engine_steps.windows_sentence(pd.DataFrame([control]), None) == ""
+    # a sink of more than half of what the engine read may span several blocks: only the tokens are said
+    wide = _row("wmtp", 131072, 10.0, 10.0, 0.0) | {"S": 400, "read_sink_tokens": 560}
+    assert engine_steps.windows_sentence(pd.DataFrame([wide]), None) == (
+        "The engine ran S 400, W 4096, which it reads as a sink of 560 tokens."
+    )
+    assert engine_steps.windows_sentence(None, None) == ""

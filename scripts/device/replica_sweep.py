@@ -9,9 +9,9 @@ acceptance-free step time of none, native and windowed MTP at each (model, conte
 that fits, with per-component times, each next to its bytes/bandwidth floor.  CSVs (replica_*.csv)
 are written to --out as it goes, so a timeout still leaves data; a summary table is printed last.
 
-S and W: neither the Spark study nor the Windowed-MTP paper gives values; we use S = 64, W = 4032
-(4,096 draft-visible tokens), the window of SGLang's own long-context tests that
-config/studies/paper-1m.yaml adopts, so the replica and the engine study measure the same arms.
+S and W: neither the Spark study nor the Windowed-MTP paper gives values; we use wmtp.config's
+PAPER_SINK and PAPER_WINDOW (4,096 draft-visible tokens), the window of SGLang's own long-context tests
+that config/studies/paper-1m.yaml adopts, so the replica and the engine study measure the same arms.
 Batches 1, 2, 4, 8: the paper's batch sweep on the 35B, as far as an H200's memory holds at each context.
 """
 
@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
+from wmtp.config import PAPER_SINK, PAPER_WINDOW  # noqa: E402
 from wmtp.replica.cli import main as replica_main  # noqa: E402
 
 MODELS = [
@@ -47,7 +48,8 @@ def main() -> int:
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="passed to wmtp.replica sweep")
     args = ap.parse_args()
     models = [str(ROOT / m) for m in args.models]
-    common = ["sweep", "--out", str(args.out), "--sink", "64", "--window", "4032", "--deadline-s", str(args.deadline_s)]
+    common = ["sweep", "--out", str(args.out), "--sink", str(PAPER_SINK), "--window", str(PAPER_WINDOW)]
+    common += ["--deadline-s", str(args.deadline_s)]
     if args.quick:
         argv = [*common, "--models", models[0], "--contexts", "128k,1m", "--ks", "3", "--batches", "1,4"]
         return replica_main([*argv, "--reps", "10", *args.extra])

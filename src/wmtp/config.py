@@ -212,8 +212,9 @@ class ProtocolSpec(_Strict):
         return data
 
 
-#: The Windowed-MTP paper's 1M geometry: 7 draft tokens per cycle (6 draft forwards, top-1), window 4032, sink 64
-#: (SGLang's own long-context test window). The replica's and the cost model's windowed arm use S and W.
+#: The Windowed-MTP paper's 1M geometry: 7 draft tokens per cycle (6 draft forwards, top-1). It states no sink or
+#: window; S 64 and W 4032 are SGLang's own long-context test window, which config/studies/paper-1m.yaml adopts.
+#: The replica's and the cost model's windowed arm use these S and W.
 PAPER_DRAFT_TOKENS, PAPER_WINDOW, PAPER_SINK = 7, 4032, 64
 
 

@@ -89,6 +89,20 @@ def cycle_ms_of(tokens_per_verify: object, decode_tokens_per_s: object) -> np.nd
     return np.vectorize(cycle_ms, otypes=[float])(tokens_per_verify, decode_tokens_per_s)
 
 
+def request_cycle_ms_of(
+    request_tok_per_verify: object, rung_tok_per_verify: object, decode_tokens_per_s: object
+) -> np.ndarray:
+    """Each request's verify cycle (ms): :func:`cycle_ms` at the request's own tokens per verify where its cell
+    counted them (NaN where it did not), else at its rung's pooled count.
+
+    Only a request alone on its server owns the counters' increments between two snapshots. At higher concurrency
+    its tokens still came at about the rung's count per cycle; at 1 a drafting request's cycle would read as one
+    token's time, below the cycle's byte floor whenever drafts are accepted.
+    """
+    own = np.asarray(request_tok_per_verify, dtype=float)
+    return cycle_ms_of(np.where(np.isnan(own), rung_tok_per_verify, own), decode_tokens_per_s)
+
+
 def decode_tok_s_from_cycle_ms(cycle_milliseconds: float, tokens_per_verify: float = 1.0) -> float:
     """The inverse of :func:`cycle_ms`: the decode rate a cycle time and tokens per cycle imply."""
     if not cycle_milliseconds or math.isnan(cycle_milliseconds):
@@ -157,6 +171,11 @@ def cost_side_ratio(step_nat_ms: float, step_win_ms: float) -> float:
 def cost_side_wedge(step_nat_ms: float, step_win_ms: float) -> float:
     """The paper's Fig. 3 quantity: step_nat / step_win − 1 (0.28–0.44 claimed at 1M)."""
     return cost_side_ratio(step_nat_ms, step_win_ms) - 1.0
+
+
+def cost_side_wedge_of(step_nat_ms: object, step_win_ms: object) -> np.ndarray:
+    """:func:`cost_side_wedge` over arrays (or an array and a number), as numpy broadcasts them."""
+    return np.vectorize(cost_side_wedge, otypes=[float])(step_nat_ms, step_win_ms)
 
 
 @dataclass(frozen=True)
@@ -803,7 +822,7 @@ def cost_side_table(
                 win_req = select_rows(requests, {**key, "rung": rung})
 
                 def wedge(n: np.ndarray, w: np.ndarray, tpv_n: float = tpv_n, tpv_w: float = tpv_w) -> np.ndarray:
-                    return (tpv_n / n) / (tpv_w / w) - 1.0
+                    return cost_side_wedge_of(cycle_ms_of(tpv_n, n), cycle_ms_of(tpv_w, w))
 
                 _, reps = bootstrap_replicates(
                     [nat_req["decode_tok_s"], win_req["decode_tok_s"]],

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import pandas as pd
 
-from wmtp.analyze.analysis import cycle_ms_of
+from wmtp.analyze.analysis import request_cycle_ms_of
 from wmtp.analyze.intervals import (
     RESOLVED,
     Interval,
@@ -53,13 +53,13 @@ def _paired(first: pd.DataFrame, second: pd.DataFrame, column: str):
 
 
 def _cycle_ms(rows: pd.DataFrame) -> pd.Series:
-    """Per-request verify-cycle time: tokens per verify × 1000 / decode rate.
+    """Per-request verify-cycle time (:func:`wmtp.analyze.analysis.request_cycle_ms_of`).
 
-    Tokens per verify is the request's own where the cell counted per request, else its rung's (``rung_tpv``,
-    from raw files of cells that counted per rung only: then acceptance noise does not enter the interval).
+    The rung's tokens per verify (``rung_tpv``) stands in for cells that counted per rung only: then acceptance
+    noise does not enter the interval. An excluded request has no decode rate and so no cycle.
     """
-    tpv = rows["req_tok_per_verify"] if "req_tok_per_verify" in rows else rows["rung_tpv"]
-    return pd.Series(cycle_ms_of(tpv.fillna(rows["rung_tpv"]), rows["decode_tok_s"]), index=rows.index)
+    own = rows.get("req_tok_per_verify", math.nan)
+    return pd.Series(request_cycle_ms_of(own, rows["rung_tpv"], rows["decode_tok_s"]), index=rows.index)
 
 
 # What a quantity can be: a t interval at 3-5 prompts overshoots these, and a bound outside them is impossible.

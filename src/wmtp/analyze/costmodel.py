@@ -408,21 +408,26 @@ def lm_head_bytes(spec: ModelSpec) -> int:
 
 
 def verify_bytes(
-    spec: ModelSpec, context: int, query_tokens: int, *, state_writes: StateWrites = "per_token"
+    spec: ModelSpec, context: int, query_tokens: int, *, batch: int = 1, state_writes: StateWrites = "per_token"
 ) -> ForwardBytes:
-    """The target forward over ``query_tokens`` new tokens after ``context`` cached tokens."""
+    """The target forward over ``query_tokens`` new tokens after ``context`` cached tokens, for each of ``batch``
+    requests at that context: the weights its ``batch × query_tokens`` tokens touch, read once; each request's own
+    KV and recurrent state."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1 (got {batch})")
     t = query_tokens
-    weights = sum(layer_params_touched(spec, parts, t) for parts in spec.layers) * spec.weight_bytes
-    weights += t * spec.hidden_size * spec.weight_bytes  # embedding rows
+    tokens = batch * t
+    weights = sum(layer_params_touched(spec, parts, tokens) for parts in spec.layers) * spec.weight_bytes
+    weights += tokens * spec.hidden_size * spec.weight_bytes  # embedding rows
     kv_tok = kv_bytes_per_token_layer(spec)
-    kv = spec.n_attn * (context + t) * kv_tok + spec.n_attn * t * kv_tok  # read all visible, write new
+    kv = batch * (spec.n_attn * (context + t) * kv_tok + spec.n_attn * t * kv_tok)  # read all visible, write new
     writes = t if state_writes == "per_token" else 1
     state = 0.0
     for comp in ("gdn", "mamba2"):
         ssm, conv = recurrent_state_bytes(spec, comp)
         n = spec.count(comp)
         state += n * (ssm * (1 + writes) + 2 * conv)
-    return ForwardBytes(weights=weights, kv=kv, state=state, lm_head=lm_head_bytes(spec))
+    return ForwardBytes(weights=weights, kv=kv, state=batch * state, lm_head=lm_head_bytes(spec))
 
 
 def draft_kv_tokens(context: int, arm: Arm, sink: int, window: int) -> int:
@@ -433,14 +438,18 @@ def draft_kv_tokens(context: int, arm: Arm, sink: int, window: int) -> int:
     return visible
 
 
-def draft_bytes(spec: ModelSpec, context: int, arm: Arm, sink: int = 0, window: int = 0) -> ForwardBytes:
-    """One draft forward of the MTP head (one query token)."""
-    weights = sum(layer_params_touched(spec, parts, 1) for parts in spec.mtp_layers)
+def draft_bytes(
+    spec: ModelSpec, context: int, arm: Arm, sink: int = 0, window: int = 0, *, batch: int = 1
+) -> ForwardBytes:
+    """One draft forward of the MTP head (one query token for each of ``batch`` requests at ``context``)."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1 (got {batch})")
+    weights = sum(layer_params_touched(spec, parts, batch) for parts in spec.mtp_layers)
     if spec.mtp_fusion_proj:
         weights += spec.mtp_blocks * 2 * spec.hidden_size * spec.hidden_size
-    weights = weights * spec.weight_bytes + spec.hidden_size * spec.weight_bytes  # + embedding row
+    weights = weights * spec.weight_bytes + batch * spec.hidden_size * spec.weight_bytes  # + embedding rows
     kv_tok = kv_bytes_per_token_layer(spec)
-    kv = spec.n_draft_attn * (draft_kv_tokens(context, arm, sink, window) + 1) * kv_tok
+    kv = batch * spec.n_draft_attn * (draft_kv_tokens(context, arm, sink, window) + 1) * kv_tok
     return ForwardBytes(weights=weights, kv=kv, state=0.0, lm_head=lm_head_bytes(spec))
 
 

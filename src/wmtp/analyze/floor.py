@@ -1,54 +1,36 @@
-"""The bytes/bandwidth floor of a replica step, per component, for a batch of requests (torch-free).
+"""The bytes/bandwidth floor of a decode step, per component, for a batch of requests (torch-free).
 
 A decode step is memory-bound: each component's floor is the bytes it must move divided by the
-measured copy bandwidth.  At batch 1 the total is the cost model's step
-(:func:`wmtp.analyze.costmodel.step_cost`); a batch of B requests at the same context reads the
-weights a forward over B times as many tokens touches (more distinct experts, still once), and B
-times the KV and recurrent state.  The components match those the sweep times.
+measured copy bandwidth.  The bytes are the cost model's (:func:`wmtp.analyze.costmodel.verify_bytes`
+and :func:`~wmtp.analyze.costmodel.draft_bytes`, batch-aware), split into the components the replica's
+sweep times; at batch 1 their total is the cost model's step (:func:`wmtp.analyze.costmodel.step_cost`).
 """
 
 from __future__ import annotations
 
 from wmtp.analyze import costmodel as cm
+from wmtp.analyze.analysis import cost_side_ratio
 
 #: Components of a step, in the order the sweep times them; the draft's are summed over its k forwards.
 COMPONENTS = ("target_attn", "target_other", "lm_head", "draft_attn", "draft_other", "draft_lm_head")
 
 
-def _state_bytes(spec: cm.ModelSpec, query_tokens: int) -> float:
-    """One request's recurrent state per verify: read once, one write per query token, conv read + write."""
-    total = 0.0
-    for comp in ("gdn", "mamba2"):
-        ssm, conv = cm.recurrent_state_bytes(spec, comp)
-        total += spec.count(comp) * (ssm * (1 + query_tokens) + 2 * conv)
-    return total
-
-
 def step_bytes(
     spec: cm.ModelSpec, context: int, k: int, arm: str, *, batch: int = 1, sink: int = 0, window: int = 0
 ) -> dict[str, float]:
-    """Bytes of each component of one step of ``arm`` over ``batch`` requests at ``context`` tokens."""
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1 (got {batch})")
-    t = 1 if arm == "none" else k + 1
+    """Bytes of each component of one step of ``arm`` over ``batch`` requests at ``context`` tokens;
+    ``target_other`` is the target's touched weights, its embedding rows and the recurrent state."""
     drafts = 0 if arm == "none" else k
-    wb, h = spec.weight_bytes, spec.hidden_size
-    kv_tok = cm.kv_bytes_per_token_layer(spec)
-    tokens = batch * t
-    target_weights = sum(cm.layer_params_touched(spec, parts, tokens) for parts in spec.layers) * wb
-    draft_weights = sum(cm.layer_params_touched(spec, parts, batch) for parts in spec.mtp_layers)
-    if spec.mtp_fusion_proj:
-        draft_weights += spec.mtp_blocks * 2 * h * h
+    verify = cm.verify_bytes(spec, context, 1 if arm == "none" else k + 1, batch=batch)
     draft_arm = "mtp" if arm == "none" else arm
-    draft_kv = spec.n_draft_attn * (cm.draft_kv_tokens(context, draft_arm, sink, window) + 1) * kv_tok  # type: ignore[arg-type]
-    lm = float(cm.lm_head_bytes(spec))
+    draft = cm.draft_bytes(spec, context, draft_arm, sink, window, batch=batch)  # type: ignore[arg-type]
     return {
-        "target_attn": batch * spec.n_attn * (context + 2 * t) * kv_tok,  # read all visible, write the new
-        "target_other": target_weights + tokens * h * wb + batch * _state_bytes(spec, t),
-        "lm_head": lm,
-        "draft_attn": drafts * batch * draft_kv,
-        "draft_other": drafts * (draft_weights * wb + batch * h * wb),
-        "draft_lm_head": drafts * lm,
+        "target_attn": verify.kv,
+        "target_other": verify.weights + verify.state,
+        "lm_head": float(verify.lm_head),
+        "draft_attn": drafts * draft.kv,
+        "draft_other": drafts * draft.weights,
+        "draft_lm_head": drafts * float(draft.lm_head),
     }
 
 
@@ -78,7 +60,7 @@ def predicted_ratio(
     """The cost-side ratio the floor predicts: native step over windowed step."""
     nat = step_floor_ms(spec, context, k, "mtp", bandwidth, batch=batch, sink=sink, window=window)["step"]
     win = step_floor_ms(spec, context, k, "wmtp", bandwidth, batch=batch, sink=sink, window=window)["step"]
-    return nat / win
+    return cost_side_ratio(nat, win)
 
 
 def replica_bytes(spec: cm.ModelSpec, context: int, max_k: int, batch: int) -> float:

@@ -94,7 +94,12 @@ def chunk_cycles(gaps: list[float], new_tokens: list[int], tokens_per_cycle: flo
     """
     if not 0 < tokens_per_cycle <= ONE_TOKEN_CYCLES or len(gaps) != len(new_tokens):
         return []
-    return [gap * tokens_per_cycle / tokens for gap, tokens in zip(gaps, new_tokens, strict=True) if tokens > 0]
+    # Two chunks inside the client clock's rounding have a gap of 0 ms: an unbounded rate, a cycle of 0 ms.
+    return [
+        analysis.cycle_ms(tokens_per_cycle, tokens * 1e3 / gap if gap > 0 else math.inf)
+        for gap, tokens in zip(gaps, new_tokens, strict=True)
+        if tokens > 0
+    ]
 
 
 def _optional(group: pd.DataFrame, column: str) -> float:

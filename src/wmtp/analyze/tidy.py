@@ -136,7 +136,8 @@ def byte_floor_ms(manifest: dict, prompt_tokens: int) -> tuple[float, float]:
     return floor["step"], bandwidth
 
 
-def request_table(cell_dir: Path) -> pd.DataFrame:
+def request_table(cell_dir: Path, deltas: pd.DataFrame) -> pd.DataFrame:
+    """The cell's requests, timed and screened; ``deltas`` are its counters per rung (:func:`counter_deltas`)."""
     manifest = json.loads((cell_dir / MANIFEST_FILE).read_text())
     frame = pd.read_parquet(cell_dir / REQUESTS_FILE)
     frame = frame[~frame["warmup"]].copy()
@@ -178,7 +179,7 @@ def request_table(cell_dir: Path) -> pd.DataFrame:
         frame[column] = value
     frame["predicted_ring_reclaim"] = predicted_ring_reclaim(manifest)
     _per_request_acceptance(frame)
-    return screen_requests(frame)
+    return screen_requests(frame, rung_tokens_per_verify(frame, deltas))
 
 
 # A decode step cannot run this many times faster than the engine's own median step at the cell's shortest
@@ -249,37 +250,40 @@ def exclusion_reason(
     return counter_impossibility(counters or {}, k)
 
 
-def request_cycle_ms(frame: pd.DataFrame) -> pd.Series:
-    """Each request's verify cycle (ms): its decode window over its cycles, the tokens after the first over its
-    tokens per verify (1 without a draft, or where the cell did not count per request)."""
-    tokens_per_cycle = pd.Series(1.0, index=frame.index)
-    if "req_tok_per_verify" in frame.columns:
-        tokens_per_cycle = pd.to_numeric(frame["req_tok_per_verify"], errors="coerce").fillna(1.0)
-    return pd.Series(
-        [
-            analysis.cycle_ms(t, analysis.decode_rate(int(c), float(d)))
-            for t, c, d in zip(tokens_per_cycle, frame["completion_tokens"], frame["decode_s"], strict=True)
-        ],
-        index=frame.index,
-        dtype=float,
+def request_cycle_ms(frame: pd.DataFrame, rung_tok_per_verify: pd.Series) -> pd.Series:
+    """Each request's verify cycle (ms): its decode window over its cycles, at its own tokens per verify where the
+    cell counted per request, else at its rung's (:func:`wmtp.analyze.analysis.request_cycle_ms_of`)."""
+    own = (
+        pd.to_numeric(frame["req_tok_per_verify"], errors="coerce")
+        if "req_tok_per_verify" in frame.columns
+        else math.nan
     )
+    rates = [
+        analysis.decode_rate(int(c), float(d))
+        for c, d in zip(frame["completion_tokens"], frame["decode_s"], strict=True)
+    ]
+    return pd.Series(analysis.request_cycle_ms_of(own, rung_tok_per_verify, rates), index=frame.index, dtype=float)
 
 
-def screen_requests(frame: pd.DataFrame) -> pd.DataFrame:
+def screen_requests(frame: pd.DataFrame, rung_tok_per_verify: pd.Series | None = None) -> pd.DataFrame:
     """Flags impossible requests (``excluded``, ``exclusion``) and blanks their derived rates.
 
     The floor is the engine's own median decode step at the cell's shortest rung (every workload) divided by
     STEP_FLOOR_FACTOR; where the table has a byte floor per request (``floor_ms``), a cycle below it is screened
-    too. Excluded requests stay in the table, so the report can count and list them.
+    too. ``rung_tok_per_verify`` is each request's rung's pooled count (:func:`rung_tokens_per_verify`); without
+    it only the arm without a draft, at one token a cycle, has a cycle for a request its cell did not count.
+    Excluded requests stay in the table, so the report can count and list them.
     """
     frame = frame.copy()
+    if rung_tok_per_verify is None:
+        rung_tok_per_verify = pd.Series(math.nan, index=frame.index).mask(frame["arm"] == "none", 1.0)
     step = frame["decode_s"] / (frame["completion_tokens"] - 1).where(frame["completion_tokens"] > 1)
     shortest = frame["rung"] == frame["rung"].min()
     medians = step[shortest & (step > 0)].median()
     floor = medians / STEP_FLOOR_FACTOR if pd.notna(medians) else 0.0
     delta_columns = [c for c in frame.columns if str(c).startswith("d_") and not str(c).startswith("d_clock_")]
     ks = frame["k"] if "k" in frame.columns else pd.Series(math.nan, index=frame.index)
-    frame["request_cycle_ms"] = request_cycle_ms(frame)
+    frame["request_cycle_ms"] = request_cycle_ms(frame, rung_tok_per_verify)
     if "floor_ms" in frame.columns:
         frame["over_floor"] = frame["request_cycle_ms"] / frame["floor_ms"]
     byte_floors = frame["floor_ms"] if "floor_ms" in frame.columns else pd.Series(math.nan, index=frame.index)
@@ -328,6 +332,28 @@ def _rung_deltas(deltas: pd.DataFrame, workload: str, rung: int) -> pd.DataFrame
     return deltas[(deltas["workload"] == workload) & (deltas["rung"] == rung)]
 
 
+def _rung_counts(deltas: pd.DataFrame, workload: str, rung: int) -> tuple[float, float, float]:
+    """The rung's Δdrafts, Δdraft_tokens and Δaccepted (0 where a counter was not read)."""
+    d = _rung_deltas(deltas, workload, rung)
+    drafts, draft_tokens, accepted = (
+        float(d[name].iloc[0]) if name in d and len(d) else 0.0 for name in ("drafts", "draft_tokens", "accepted")
+    )
+    return drafts, draft_tokens, accepted
+
+
+def _rung_tok_per_verify(arm: str, d_accepted: float, d_drafts: float) -> float:
+    return 1.0 if arm == "none" else analysis.tok_per_verify(d_accepted, d_drafts)
+
+
+def rung_tokens_per_verify(requests: pd.DataFrame, deltas: pd.DataFrame) -> pd.Series:
+    """Each request's rung's tokens per verify, pooled over the rung as :func:`rung_table` counts it."""
+    values = []
+    for arm, workload, rung in zip(requests["arm"], requests["workload"], requests["rung"], strict=True):
+        drafts, _, accepted = _rung_counts(deltas, workload, rung)
+        values.append(_rung_tok_per_verify(arm, accepted, drafts))
+    return pd.Series(values, index=requests.index, dtype=float)
+
+
 def _sum_or_nan(values: pd.Series) -> float:
     values = pd.to_numeric(values, errors="coerce")
     return float(values.sum()) if values.notna().all() and len(values) else math.nan
@@ -337,12 +363,9 @@ def rung_table(requests: pd.DataFrame, deltas: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for keys, group in requests.groupby([*CELL_KEYS, *RUNG_KEYS], dropna=False, sort=True):
         row = dict(zip([*CELL_KEYS, *RUNG_KEYS], keys, strict=True))
-        d = _rung_deltas(deltas, row["workload"], row["rung"])
-        d_drafts, d_draft_tokens, d_accepted = (
-            float(d[name].iloc[0]) if name in d and len(d) else 0.0 for name in ("drafts", "draft_tokens", "accepted")
-        )
+        d_drafts, d_draft_tokens, d_accepted = _rung_counts(deltas, row["workload"], row["rung"])
         decode = float(group["decode_tok_s"].median())
-        tpv = 1.0 if row["arm"] == "none" else analysis.tok_per_verify(d_accepted, d_drafts)
+        tpv = _rung_tok_per_verify(row["arm"], d_accepted, d_drafts)
         energy = _sum_or_nan(group["decode_energy_j"] if "decode_energy_j" in group else group["energy_decode_j"])
         window_s = _sum_or_nan(group["decode_s"])
         generated = float((group["completion_tokens"] - 1).sum())
@@ -540,8 +563,8 @@ def collect(
         check_identities(manifests, expected_identities)
     check_one_protocol(manifests)
     for cell_dir in cell_dirs:
-        req = request_table(cell_dir)
         deltas = counter_deltas(cell_dir)
+        req = request_table(cell_dir, deltas)
         deltas_by_cell[req["cell_id"].iloc[0]] = deltas
         requests.append(req)
         rungs.append(rung_table(req, deltas))

@@ -530,12 +530,13 @@ def measure_point(
         "replica_summary",
         {**row, "step_nat_ms": step_ms["mtp"], "step_win_ms": step_ms["wmtp"],
          "ratio": cost_side_ratio(step_ms["mtp"], step_ms["wmtp"]),
-         "predicted_ratio": floors["mtp"] / floors["wmtp"], "predicted_nat_ms": floors["mtp"],
+         "predicted_ratio": cost_side_ratio(floors["mtp"], floors["wmtp"]), "predicted_nat_ms": floors["mtp"],
          "predicted_win_ms": floors["wmtp"], "copy_bandwidth": copy_bw},
     )  # fmt: skip
     log.info("%s N=%d k=%d B=%d: nat %.3f ms (floor %.3f), win %.3f ms (floor %.3f), ratio %.3f (floor %.3f)",
              spec.name, n, k, nb, step_ms["mtp"], floors["mtp"], step_ms["wmtp"], floors["wmtp"],
-             step_ms["mtp"] / step_ms["wmtp"], floors["mtp"] / floors["wmtp"])  # fmt: skip
+             cost_side_ratio(step_ms["mtp"], step_ms["wmtp"]),
+             cost_side_ratio(floors["mtp"], floors["wmtp"]))  # fmt: skip
     if not components:
         return
     plan_nat = StepPlan(n, k, "mtp", cfg.sink, cfg.window, batch=nb)

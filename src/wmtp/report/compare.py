@@ -221,7 +221,7 @@ def wedge_section(
     Columns: source ('measured' | 'replica' | 'replica model'), label, model, arm, k, sink, window, rung,
     context, wedge, wedge_lo, wedge_hi, and for small multiples: ``panel`` (one per model and kind:
     '<model> · GPU replica' or '<model> · this study'), ``variant`` (the series without its k, which is
-    the colour: 'wmtp S=64 W=4032'), ``paper_model`` (the paper measured this model, see
+    the colour: 'wmtp S=16 W=256'), ``paper_model`` (the paper measured this model, see
     :func:`paper_models`; default: the paper's study config). Rows come panel by panel: replica panels
     of the paper's models first, then other replica models, then this study's measured panels.
     """
@@ -653,6 +653,14 @@ def published_comparison(tidy: Tidy, published: pd.DataFrame, study: str, **boot
     if not rows:
         return Section(notes=(*notes, f"nothing this study measured matches the published numbers of '{study}'"))
     return Section(pd.DataFrame(rows), tuple(notes))
+
+
+def published_sources(published: pd.DataFrame, study: str) -> pd.DataFrame:
+    """Each source of the study's published numbers once, with its verbatim quote (``source``, ``source_quote``)."""
+    if published.empty:
+        return pd.DataFrame(columns=["source", "source_quote"])
+    rows = published[published["study"] == study][["source", "source_quote"]]
+    return rows.drop_duplicates().reset_index(drop=True)
 
 
 def published_display(section: Section) -> pd.DataFrame:

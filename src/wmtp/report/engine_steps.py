@@ -170,6 +170,37 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
     return Section(pd.DataFrame(rows))
 
 
+def _windows(pairs: Iterable[tuple[float, float]]) -> str:
+    return " and ".join(f"S {int(sink)}, W {int(window)}" for sink, window in dict.fromkeys(pairs))
+
+
+def _engine_window(sink: float, window: float, read_sink: float) -> str:
+    text = f"S {int(sink)}, W {int(window)}"
+    if math.isnan(read_sink) or read_sink <= sink:
+        return text
+    # The engine rounds the sink up to whole KV blocks: a sink of at most half what it read took one block.
+    blocks = f"one {int(read_sink)}-token block" if 2 * sink <= read_sink else f"{int(read_sink)} tokens"
+    return f"{text}, which it reads as a sink of {blocks}"
+
+
+def windows_sentence(steps: pd.DataFrame | None, replica: pd.DataFrame | None) -> str:
+    """The sink and window the replica ran (from its table) and the engine's windowed arm (from its step file, with
+    the sink it really read), e.g. 'The replica ran S 16, W 128; the engine S 16, W 4096, which it reads as a sink
+    of one 560-token block.' Only the windows that act at some context: a window-off control is said apart."""
+    parts = []
+    if replica is not None and not replica.empty and {"sink", "window"} <= set(replica.columns):
+        parts.append(f"The replica ran {_windows(zip(replica['sink'], replica['window'], strict=True))}")
+    if steps is not None and not steps.empty and {"S", "W"} <= set(steps.columns):
+        rows = steps[(steps["arm"] == "wmtp") & (_numeric(steps, "S") + _numeric(steps, "W") < steps["context"])]
+        engine = [
+            _engine_window(float(s), float(w), _value(r, "read_sink_tokens"))
+            for (s, w), r in rows.groupby(["S", "W"], sort=True).first().iterrows()
+        ]
+        if engine:
+            parts.append(("the engine " if parts else "The engine ran ") + " and ".join(engine))
+    return "; ".join(parts) + "." if parts else ""
+
+
 # --------------------------------------------------------------------------------------------------
 # Each arm's cycle, and the step file's own checks: the two clocks and the growth between contexts
 # --------------------------------------------------------------------------------------------------

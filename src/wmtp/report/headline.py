@@ -19,6 +19,32 @@ def _ratio(value: Any) -> str:
     return "" if value is None or not math.isfinite(float(value)) else f"{float(value):.2f}"
 
 
+PAPER_MARK_COLUMNS = ["model", "rung", "ratio", "lo", "hi", "ceiling"]
+
+
+def paper_marks(engine: pd.DataFrame | None, claim: dict[str, float] | None) -> pd.DataFrame:
+    """The paper's marks on the headline figure, one row per model of ``engine`` (the real engine's section): its
+    cost-side ratio at its own context as the middle of its range (``ratio``, ``lo``, ``hi``), and the ceiling
+    1 + k/L_full at the paper's own depth (``ceiling``). Empty without an engine or a claim."""
+    if engine is None or engine.empty or not claim:
+        return pd.DataFrame(columns=PAPER_MARK_COLUMNS)
+    lo, hi = 1 + claim["lo"], 1 + claim["hi"]
+    return pd.DataFrame(
+        [
+            {
+                "model": model,
+                "rung": claim["rung"],
+                "ratio": (lo + hi) / 2,
+                "lo": lo,
+                "hi": hi,
+                "ceiling": ceiling_ratio(str(model), PAPER_DRAFT_FORWARDS),
+            }
+            for model in dict.fromkeys(engine["model"])
+        ],
+        columns=PAPER_MARK_COLUMNS,
+    )
+
+
 def headline_sentences(engine: pd.DataFrame | None, claim: dict[str, float] | None) -> list[str]:
     """At most :data:`MAX_SENTENCES` sentences: what windowing can save at most, what the real engine
     measured per context (not resolved where its range holds 1), the replica and cost model beside it, and

@@ -23,12 +23,21 @@ from wmtp.report.compare import (
     paper_claim_section,
     paper_models,
     published_comparison,
+    published_sources,
     replica_batch_section,
     replica_floor_section,
     ring_reclaim_section,
     wedge_section,
 )
-from wmtp.report.engine_steps import engine_step_section, load_engine_steps
+from wmtp.report.engine_steps import (
+    clock_check_section,
+    engine_cycles,
+    engine_step_section,
+    growth_check_section,
+    load_engine_steps,
+    windows_sentence,
+)
+from wmtp.report.headline import paper_marks
 from wmtp.report.labels import (
     add_labels,
     arm_order,
@@ -123,9 +132,10 @@ def _interval_text(row: pd.Series, quantity: str) -> str:
     )
 
 
-def answer_section(tidy: Tidy) -> Section:
-    """The page's opening table: per context and drafting series, each paired comparison in one cell."""
-    rows = answer_rows(tidy)
+def answer_section(tidy: Tidy, rows: pd.DataFrame | None = None) -> Section:
+    """The page's opening table: per context and drafting series, each paired comparison in one cell.
+    ``rows``: :func:`answer_rows`, where the caller has them already."""
+    rows = answer_rows(tidy) if rows is None else rows
     if rows.empty:
         return Section(notes=(NOTE_NO_DRAFT if not tidy.has_drafting else NOTE_NO_BASE,))
     titles = {
@@ -152,9 +162,9 @@ def answer_section(tidy: Tidy) -> Section:
     return Section(frame[[c for c in ["workload", "context", "series", *titles.values()] if c in frame.columns]])
 
 
-def answer_sentences(tidy: Tidy) -> list[str]:
+def answer_sentences(tidy: Tidy, rows: pd.DataFrame | None = None) -> list[str]:
     """The findings at each workload's longest context, in words: resolved ones first."""
-    rows = answer_rows(tidy)
+    rows = answer_rows(tidy) if rows is None else rows
     if rows.empty:
         return []
     longest = rows[rows["rung"] == rows.groupby("workload")["rung"].transform("max")]
@@ -175,13 +185,13 @@ def excluded_section(tidy: Tidy) -> Section:
     return Section(r.loc[r["excluded"], [c for c in cols if c in r.columns]].reset_index(drop=True))
 
 
-def speedup_section(tidy: Tidy, **boot: Any) -> Section:
+def speedup_section(tidy: Tidy, rows: pd.DataFrame | None = None, **boot: Any) -> Section:
     """Speedup over the none arm per drafting series vs context: paired geometric mean with its t interval."""
     if not tidy.has_drafting:
         return Section(notes=(NOTE_NO_DRAFT,))
     if an.BASE_ARM not in tidy.arms:
         return Section(notes=(NOTE_NO_BASE,))
-    rows = answer_rows(tidy)
+    rows = answer_rows(tidy) if rows is None else rows
     if rows.empty:  # tidy tables written before requests were screened and paired
         frame = an.speedup_table(tidy.requests, **boot)
     else:
@@ -536,6 +546,10 @@ class ReportData:
     published: pd.DataFrame
     replica: pd.DataFrame | None
     overview: pd.DataFrame
+    #: The study's contexts, smallest first: every figure's context axis.
+    rungs: list[int]
+    #: The paired comparisons (:func:`answer_rows`) behind the answer, the speedup and the acceptance sentence.
+    answer_rows: pd.DataFrame
     decode: Section
     speedup: Section
     speedup_change: Section
@@ -547,8 +561,12 @@ class ReportData:
     prefill: Section
     wedge: Section
     paper_claim: dict[str, float] | None
+    #: The paper's point and the ceiling at its own depth, per model of the headline figure.
+    paper_marks: pd.DataFrame
     styles: dict[str, dict[str, Any]]
     published_vs_measured: Section
+    #: The verbatim sources of the study's published numbers.
+    published_sources: pd.DataFrame
     costmodel: Section
     answer: Section
     findings: list[str]
@@ -562,6 +580,12 @@ class ReportData:
     replica_floor: Section
     replica_batch: Section
     engine_steps: Section
+    #: Each arm's cycle on the real engine by both clocks, the clocks' check and the growth check.
+    engine_cycles: pd.DataFrame
+    engine_clock: Section
+    engine_growth: Section
+    #: Which sink and window the replica and the real engine ran.
+    engine_windows: str
 
 
 def load_report_data(
@@ -583,14 +607,20 @@ def load_report_data(
     replica_table = load_replica_table(replica_file)  # every arm and batch, for the floor and the paper's claim
     boot = {"n_boot": n_boot, "seed": seed}
     ov = overview(tidy)
+    rows = answer_rows(tidy)
+    steps = load_engine_steps(engine_step_paths)
+    engine = engine_step_section(steps, replica_table)
+    claim = paper_claim(published)
     return ReportData(
         study=study,
         tidy=tidy,
         published=published,
         replica=replica,
         overview=ov,
+        rungs=an.rungs_of(tidy.rungs),
+        answer_rows=rows,
         decode=decode_section(tidy, **boot),
-        speedup=speedup_section(tidy, **boot),
+        speedup=speedup_section(tidy, rows, **boot),
         speedup_change=speedup_change_section(tidy, **boot),
         cycle=cycle_section(tidy),
         draft_tax=draft_tax_section(tidy, **boot),
@@ -599,12 +629,14 @@ def load_report_data(
         energy=energy_section(tidy, **boot),
         prefill=prefill_section(tidy, **boot),
         wedge=wedge_section(tidy, replica, paper_models(), **boot),
-        paper_claim=paper_claim(published),
+        paper_claim=claim,
+        paper_marks=paper_marks(engine.frame if engine.available else None, claim),
         styles=series_styles(add_labels(ov, tidy.rungs)),
         published_vs_measured=published_comparison(tidy, published, study, **boot),
+        published_sources=published_sources(published, study),
         costmodel=costmodel_section(tidy),
-        answer=answer_section(tidy),
-        findings=answer_sentences(tidy),
+        answer=answer_section(tidy, rows),
+        findings=answer_sentences(tidy, rows),
         excluded=excluded_section(tidy),
         paper=paper_claim_section(replica_table, published),
         ring_reclaim=ring_reclaim_section(),
@@ -614,5 +646,9 @@ def load_report_data(
         window_cost=window_cost_section(tidy.requests),
         replica_floor=replica_floor_section(replica_table),
         replica_batch=replica_batch_section(replica_table),
-        engine_steps=engine_step_section(load_engine_steps(engine_step_paths), replica_table),
+        engine_steps=engine,
+        engine_cycles=engine_cycles(steps),
+        engine_clock=clock_check_section(steps),
+        engine_growth=growth_check_section(steps),
+        engine_windows=windows_sentence(steps, replica_table),
     )

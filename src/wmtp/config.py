@@ -307,40 +307,14 @@ class Study(_Strict):
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-class Cell(_Strict):
-    """One server lifetime: (study, model, engine, arm, k, S, W, concurrency)."""
+class Cell(CellKey):
+    """One server lifetime of a study: its key (model, engine, arm, k, S, W, concurrency, server) and the study."""
 
     study: str
-    model: str
-    engine: str
-    arm: str
-    k: int = 0
-    sink: int | None = None
-    window: int | None = None
-    concurrency: int = 1
-    server: int | None = None
-
-    @model_serializer(mode="wrap")
-    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Left out where the study starts each configuration once, so those cells keep their identities.
-        data = handler(self)
-        if data.get("server") is None:
-            data.pop("server", None)
-        return data
 
     @property
     def cell_id(self) -> str:
-        key = CellKey(
-            model=self.model,
-            engine=self.engine,
-            arm=self.arm,
-            k=self.k,
-            sink=self.sink,
-            window=self.window,
-            concurrency=self.concurrency,
-            server=self.server,
-        )
-        return format_cell_id(key, drafting=self.arm in DRAFTING_ARMS, windowed=self.arm in WINDOWED_ARMS)
+        return format_cell_id(self, drafting=self.arm in DRAFTING_ARMS, windowed=self.arm in WINDOWED_ARMS)
 
     @property
     def ring(self) -> bool:
@@ -352,17 +326,7 @@ class Cell(_Strict):
             key = parse_cell_id(cell_id)
         except CellIdError as err:
             raise ConfigError(str(err)) from None
-        return cls(
-            study=study,
-            model=key.model,
-            engine=key.engine,
-            arm=key.arm,
-            k=key.k,
-            sink=key.sink,
-            window=key.window,
-            concurrency=key.concurrency,
-            server=key.server,
-        )
+        return cls(study=study, **dict(key))
 
 
 def expand_cells(study: Study) -> Iterator[Cell]:

@@ -259,3 +259,32 @@ def test_serve_args_cannot_set_what_the_arms_set(embedded_raw, where, arg):
     """Else the mtp reference could be windowed (and the window would seem to cost nothing) or the baseline draft."""
     embedded_raw[where][0]["serve_args"] = [*embedded_raw[where][0].get("serve_args", []), arg]
     check(embedded_raw, f"{where}[0].serve_args", "which each cell's arm sets")
+
+
+def test_a_cells_part_of_its_identity_is_its_key(repo):
+    """The cell's fields, as the identity hashes them: a key added, renamed or dumped differently would rerun every
+    measured cell."""
+    from wmtp.measure.identity import cell_identity
+
+    study = load_study(repo / "config" / "config.yaml")
+    windowed = Cell.from_id(study.study, "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~256/c~1")
+    assert cell_identity(study, windowed)["cell"] == {
+        "model": "tiny",
+        "engine": "vllm-cpu",
+        "arm": "wmtp",
+        "k": 3,
+        "sink": 16,
+        "window": 256,
+        "concurrency": 1,
+    }
+    second = Cell.from_id(study.study, "model~tiny/engine~vllm-cpu/arm~none/c~1/server~2")
+    assert cell_identity(study, second)["cell"] == {
+        "model": "tiny",
+        "engine": "vllm-cpu",
+        "arm": "none",
+        "k": 0,
+        "sink": None,
+        "window": None,
+        "concurrency": 1,
+        "server": 2,
+    }

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 from snakemake.settings.types import DeploymentMethod
-from snakemake.utils import validate
 
 from wmtp import layout
 from wmtp.config import ConfigError, architecture_file, read_study_file, resolved_study_json, study_from_dict
@@ -27,14 +26,13 @@ try:
     for study_file in STUDY_FILES:
         read_study_file(study_file)
     try:
+        # The one validation of the study: the rules read STUDY (defaults filled in), never `config` as merged.
         STUDY = study_from_dict(config, base_dir=Path.cwd())
         check_weightless_fit(STUDY)
     except ConfigError as err:
         raise ConfigError(f"{', '.join(STUDY_FILES) or 'config'}: {err}") from None
 except ConfigError as err:
     raise WorkflowError(str(err)) from None
-# After wmtp's checks, whose messages name the key: the schema is the same, so this only fills in its defaults.
-validate(config, schema="../config/schemas/config.schema.yaml")
 
 # Under --sdm conda a rule must call the python of its conda environment (envs/*.yaml), which finds wmtp
 # on PYTHONPATH; otherwise the interpreter that runs Snakemake (the project's venv) has everything.

@@ -32,7 +32,7 @@ import yaml
 
 from wmtp.config import study_from_dict
 from wmtp.engines import ServeRequest, vllm
-from wmtp.layout import REPO_ROOT, TRAINED_CHECKPOINT
+from wmtp.layout import REPO_ROOT, TRAINED_CHECKPOINT, Draft
 from wmtp.measure.client import complete
 from wmtp.measure.server import ServerProcess, free_port
 from wmtp.measure.workload import Corpus, PromptFactory, copied_tokens, copy_task_prompt
@@ -112,10 +112,7 @@ def run_arm(
             SERVED,
             port,
             max_model_len=args.max_model_len,
-            arm=arm,
-            k=args.k,
-            sink=sink,
-            window=window,
+            draft=Draft(arm=arm, k=args.k, sink=sink, window=window),
             engine_args=spec.serve_args,
         )
     )

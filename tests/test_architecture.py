@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "wmtp"
 
 RANK = {
     "layout": 0,  # the on-disk contract: file names, cell ids
-    "config": 1,  # the study: schema, validation, the matrix of cells
+    "config": 1,  # the study: its declaration and validation, the matrix of cells
     "plugin": 1,  # windowed MTP inside vLLM
     "analyze": 1,  # raw files → tidy tables, formulas, cost model
     "engines": 2,  # engine adapters and environment builds

@@ -113,6 +113,35 @@ def test_unknown_key_is_named(embedded_raw):
     check(embedded_raw, "config.protocol", "output_tokenz")
 
 
+@pytest.mark.parametrize(
+    ("where", "value", "message"),
+    [
+        (
+            ("models", 0, "max_model_len"),
+            "16640",
+            "config.models[0].max_model_len: should be a valid integer (got '16640')",
+        ),
+        (("models", 0, "max_model_len"), True, "config.models[0].max_model_len: should be a valid integer (got True)"),
+        (("protocol", "temperature"), -0.5, "config.protocol.temperature: must be ≥ 0 (got -0.5)"),
+        (("protocol", "record_tokens"), "no", "config.protocol.record_tokens: should be a valid boolean (got 'no')"),
+        (("protocol", "rungs"), None, "config.protocol: 'rungs' is required"),
+        (("engines",), [], "config.engines: must list at least 1 (got [])"),
+        (("study",), "my study", "config.study: should match ^[A-Za-z0-9][A-Za-z0-9._-]*$ (got 'my study')"),
+        (("protocol", "repeats"), "5", "config: protocol.repeats should be a whole number or a list, one per rung"),
+    ],
+)
+def test_a_keys_type_and_range_are_refused_naming_the_key(embedded_raw, where, value, message):
+    """What the field types refuse reads like what the model validators refuse: the key, what it must be, the value."""
+    node = embedded_raw
+    for key in where[:-1]:
+        node = node[key]
+    if value is None:
+        del node[where[-1]]
+    else:
+        node[where[-1]] = value
+    check(embedded_raw, message)
+
+
 def test_matrix_expansion_order_and_ids(embedded_raw):
     embedded_raw["arms"] = [
         {"name": "none"},
@@ -259,3 +288,32 @@ def test_serve_args_cannot_set_what_the_arms_set(embedded_raw, where, arg):
     """Else the mtp reference could be windowed (and the window would seem to cost nothing) or the baseline draft."""
     embedded_raw[where][0]["serve_args"] = [*embedded_raw[where][0].get("serve_args", []), arg]
     check(embedded_raw, f"{where}[0].serve_args", "which each cell's arm sets")
+
+
+def test_a_cells_part_of_its_identity_is_its_key(repo):
+    """The cell's fields, as the identity hashes them: a key added, renamed or dumped differently would rerun every
+    measured cell."""
+    from wmtp.measure.identity import cell_identity
+
+    study = load_study(repo / "config" / "config.yaml")
+    windowed = Cell.from_id(study.study, "model~tiny/engine~vllm-cpu/arm~wmtp/k~3/s~16/w~256/c~1")
+    assert cell_identity(study, windowed)["cell"] == {
+        "model": "tiny",
+        "engine": "vllm-cpu",
+        "arm": "wmtp",
+        "k": 3,
+        "sink": 16,
+        "window": 256,
+        "concurrency": 1,
+    }
+    second = Cell.from_id(study.study, "model~tiny/engine~vllm-cpu/arm~none/c~1/server~2")
+    assert cell_identity(study, second)["cell"] == {
+        "model": "tiny",
+        "engine": "vllm-cpu",
+        "arm": "none",
+        "k": 0,
+        "sink": None,
+        "window": None,
+        "concurrency": 1,
+        "server": 2,
+    }

@@ -641,6 +641,7 @@ def server_run(engine_python, zero_model, work, engine_env, engines) -> dict:
     """Arm wmtp on the all-zero lm_head model as a real OpenAI server; stopped before the tests read."""
     from wmtp.engines import ServeRequest
     from wmtp.engines import vllm as adapter
+    from wmtp.layout import Draft
     from wmtp.measure.client import complete
     from wmtp.measure.counters import delta
     from wmtp.measure.server import ServerProcess, free_port, group_alive
@@ -656,10 +657,7 @@ def server_run(engine_python, zero_model, work, engine_env, engines) -> dict:
             "tiny",
             port,
             max_model_len=4096,
-            arm="wmtp",
-            k=K,
-            sink=sink,
-            window=window,
+            draft=Draft(arm="wmtp", k=K, sink=sink, window=window),
             engine_args=ENGINE_ARGS,
         )
     )

@@ -22,6 +22,7 @@ from conftest import REPO
 
 from wmtp.config import load_study
 from wmtp.engines import ServeRequest, adapter
+from wmtp.layout import Draft
 from wmtp.measure.workload import chat_settings
 
 SPARK = REPO / "config" / "studies" / "spark-128k.yaml"
@@ -58,8 +59,7 @@ def _spark_argv(study, arm: str, k: int) -> list[str]:
         served_name=model.name,
         port=8000,
         max_model_len=model.max_model_len,
-        arm=arm,
-        k=k,
+        draft=Draft(arm=arm, k=k),
         engine_args=tuple(engine.serve_args),
         model_args=tuple(model.serve_args),
     )

@@ -18,6 +18,7 @@ from wmtp.config import Cell, EngineSpec, study_from_dict
 from wmtp.engines import ServeRequest, adapter, sglang
 from wmtp.engines.build import EngineBuildError, spec_hash
 from wmtp.engines.vllm import VLLMAdapter
+from wmtp.layout import Draft
 from wmtp.measure.client import complete
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
@@ -32,10 +33,7 @@ def _argv(arm: str, k: int = 3, sink: int | None = None, window: int | None = No
             "q",
             8123,
             max_model_len=1_049_600,
-            arm=arm,
-            k=k,
-            sink=sink,
-            window=window,
+            draft=Draft(arm=arm, k=k, sink=sink, window=window),
             engine_args=engine_args or ["--mem-fraction-static", "0.8"],
             model_args=["--trust-remote-code"],
         )

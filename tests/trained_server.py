@@ -26,7 +26,7 @@ def serve(
     model_dir: Path,
     work: Path,
     readers: Sequence[Reader],
-    k: int | None = None,
+    k: int = 0,
     sink: int | None = None,
     window: int | None = None,
 ) -> list[Any]:
@@ -35,6 +35,7 @@ def serve(
 
     from wmtp.config import study_from_dict
     from wmtp.engines import ServeRequest, vllm
+    from wmtp.layout import Draft
     from wmtp.measure.server import ServerProcess, free_port, group_alive
 
     study = study_from_dict(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), base_dir=REPO)
@@ -48,10 +49,7 @@ def serve(
             "tiny",
             port,
             max_model_len=MAX_MODEL_LEN,
-            arm=arm,
-            k=k,
-            sink=sink,
-            window=window,
+            draft=Draft(arm=arm, k=k, sink=sink, window=window),
             engine_args=spec.serve_args,
         )
     )

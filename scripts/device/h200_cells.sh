@@ -156,7 +156,7 @@ if [ -f "$carried_cache" ] && [ ! -d "$cache" ]; then
   fi
 fi
 # The pipeline's own modules need these beside vLLM: name what is missing before any server starts.
-$py -c 'import pandas, pyarrow, pydantic, jsonschema, yaml, httpx, tokenizers, jinja2' ||
+$py -c 'import pandas, pyarrow, pydantic, yaml, httpx, tokenizers, jinja2' ||
   die "the image lacks a module the cells need (above); carry it with the engine"
 
 # The server imports the plugin from the engine's site (the study's env sets PYTHONPATH to it alone).

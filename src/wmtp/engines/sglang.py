@@ -162,7 +162,8 @@ def serve_argv(request: ServeRequest) -> list[str]:
         "--context-length",
         str(r.max_model_len),
     ]
-    return argv + extra + speculative_args(r.arm, r.k, r.sink, r.window, extra)
+    draft = r.draft
+    return argv + extra + speculative_args(draft.arm, draft.k, draft.sink, draft.window, extra)
 
 
 def server_env(engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path | None = None) -> dict[str, str]:

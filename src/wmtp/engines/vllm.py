@@ -76,10 +76,11 @@ def serve_argv(request: ServeRequest) -> list[str]:
         str(r.max_model_len),
     ]
     argv += list(r.engine_args) + list(r.model_args)
-    spec = speculative_config(r.arm, r.k)
+    draft = r.draft
+    spec = speculative_config(draft.arm, draft.k)
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
-    extra = additional_config(r.arm, r.sink, r.window)
+    extra = additional_config(draft.arm, draft.sink, draft.window)
     if extra is not None:
         argv += ["--additional-config", json.dumps(extra, separators=(",", ":"))]
     return argv

@@ -514,10 +514,7 @@ def _build_server(run: CellRun, engine: EngineAdapter, staging: Path, cache_dir:
             served_name=cell.model,
             port=port,
             max_model_len=model.max_model_len,
-            arm=cell.arm,
-            k=cell.k,
-            sink=cell.sink,
-            window=cell.window,
+            draft=cell,
             engine_args=tuple(spec.serve_args),
             model_args=tuple(model.serve_args),
         )

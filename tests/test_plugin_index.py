@@ -177,3 +177,45 @@ def test_host_copies_of_the_lengths_are_reset_so_a_backend_derives_the_windowed_
     assert windowed.seq_lens.tolist() == [
         win.windowed_seq_len(s, q, 16, 256, 128) for s, q in ((5000, 1), (700, 4), (40, 40))
     ]
+
+
+def anchored_cases(n: int, seed: int = 1):
+    """A decode cycle: its first draft forward (k + 1 queries at most) and a later forward j tokens on, after
+    the rejected drafts were taken back (``seq_lens -= rejected``, then one token a forward)."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        block_size = rng.choice([1, 16, 128, 544])
+        k = rng.choice([2, 3, 5, 7])
+        query_len = rng.randint(1, k + 1)
+        seq_len = rng.randint(query_len, 30 * block_size + 5000)
+        sink = rng.choice([0, 4, 16, block_size, rng.randint(0, 3000)])
+        window = rng.choice([1, 64, block_size, rng.randint(1, 6000)])
+        rejected = rng.randint(0, query_len - 1)
+        step = rng.randint(1, k - 1)
+        yield seq_len, query_len, sink, window, block_size, k, seq_len - rejected + step, step
+
+
+def test_a_later_forward_of_a_cycle_reads_its_own_window_and_a_bounded_few_tokens_more():
+    for seq_len, query_len, sink, window, block_size, k, later_len, step in anchored_cases(5000):
+        assert win.anchors_cycle(query_len, k)
+        drop = win.dropped_blocks(seq_len, query_len, sink, window, block_size)
+        read = tokens_of(win.kept_blocks_after(later_len, drop, sink, block_size), later_len, block_size)
+        first_query = later_len - 1
+        must = set(range(min(sink, later_len))) | set(range(max(first_query - window, 0), later_len))
+        assert must <= read, (seq_len, query_len, sink, window, block_size, k, later_len)
+        # Never less than the forward's own window would read, and at most 2k - 1 tokens more.
+        own = tokens_of(win.kept_blocks(later_len, 1, sink, window, block_size), later_len, block_size)
+        assert own <= read and len(read) - len(own) <= max(block_size, 2 * k - 1 + block_size)
+        n_sink = win.sink_blocks(sink, block_size)
+        beyond_sink = len(read - set(range(n_sink * block_size)))
+        assert beyond_sink <= window + block_size - 1 + 2 * k - 1 + 1
+        length = later_len - block_size * drop
+        assert length == len(read)
+        assert length <= win.seq_len_bound(query_len, sink, window, block_size, later=step)
+        assert -(-length // block_size) <= win.anchored_table_width(sink, window, block_size, k)
+
+
+def test_only_decode_cycles_of_more_than_one_draft_step_keep_a_window():
+    assert win.anchors_cycle(4, 3) and win.anchors_cycle(1, 3)
+    assert not win.anchors_cycle(5, 3)  # a prefill's chunk: each forward windows on its own
+    assert not win.anchors_cycle(1, 1)  # k = 1 has no later forward

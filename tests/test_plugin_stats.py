@@ -194,3 +194,26 @@ def test_a_host_sum_is_read_at_once_and_the_hooks_host_time_is_averaged_per_buil
     assert (
         stats.summarize([one, {**one, "hook_host_us_per_build": 200.0, "builds": 1}])["hook_host_us_per_build"] == 125.0
     )
+
+
+def test_a_cycles_later_forwards_count_its_first_forwards_drops_once_summed(tmp_path, monkeypatch):
+    """A later forward that keeps its cycle's window adds that window's dropped blocks without a new sum."""
+    monkeypatch.setenv(stats.ENV, str(tmp_path))
+    counter = stats.DraftStats(16, 128, "9.9.9")
+    sums = []
+
+    class Counted(_Drops):
+        def sum(self) -> int:
+            sums.append(self.rows)
+            return super().sum()
+
+    first = Counted(2, 3)
+    counter.record(16, 128, 128, 5000, 4, first)
+    counter.record(16, 128, 128, 5001, 1, first, reused=True)
+    counter.record(16, 128, 128, 5002, 1, first, reused=True)
+    assert counter.snapshot()["blocks_skipped"] == 15  # three forwards of 5 blocks
+    counter.record(16, 128, 128, 5003, 4, Counted(4))
+    counter.record(16, 128, 128, 5004, 1, Counted(4), reused=True)
+    snap = counter.snapshot()
+    assert (snap["blocks_skipped"], snap["windowed_forwards"], snap["anchored_forwards"]) == (23, 5, 3)
+    assert sums == [(2, 3), (4,)]  # one sum a cycle

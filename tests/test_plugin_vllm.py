@@ -361,8 +361,57 @@ for name in present:
         refused.append(name)
 assert refused == present and present, refused
 
-# A vLLM without the hook point: a configured proposer refuses to start, naming what is missing.
+# A decode cycle, as propose() runs it: the first forward sets the window, the later ones (cm mutated in place:
+# rejected drafts taken back, then one query token a forward) keep its table and drop the same blocks.
 from wmtp.plugin import hook
+from wmtp.plugin import stats as wstats
+anchored_rows = 0
+for trial in range(200):
+    block = rng.choice([16, 128, 256])
+    sink, window = rng.choice([0, 16, 300]), rng.choice([8, 128, 700])
+    k, rows = rng.choice([2, 3, 5]), rng.randint(1, 4)
+    q0 = k + 1
+    seqs = [q0 + rng.randint(0, 6000) for _ in range(rows)]
+    table = torch.randint(0, 100000, (rows, max(-(-(s + k) // block) for s in seqs) + 1), dtype=torch.int32)
+    qsl = torch.arange(0, (rows + 1) * q0, q0, dtype=torch.int32)
+    seq_t = torch.tensor(seqs, dtype=torch.int32)
+    cm = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_t, num_reqs=rows,
+        num_actual_tokens=rows * q0, max_query_len=q0, max_seq_len=max(seqs), block_table_tensor=table,
+        slot_mapping=torch.zeros(rows * q0, dtype=torch.int64), seq_lens_cpu_upper_bound=seq_t.clone())
+    config = win.WindowConfig(sink, window)
+    state = hook._State(config, wstats.DraftStats(sink, window, "test"), k)
+    first, dropped, reused = hook.window_forward(state, cm, config, block, 0)
+    assert not reused
+    if dropped is None:
+        continue
+    drops = [win.dropped_blocks(s, q0, sink, window, block) for s in seqs]
+    assert dropped.tolist() == drops
+    assert first.block_table_tensor.shape[1] == min(table.shape[1], win.anchored_table_width(sink, window, block, k))
+    cm.seq_lens -= torch.tensor([rng.randint(0, k) for _ in range(rows)], dtype=torch.int32)
+    cm.max_query_len, cm.num_actual_tokens = 1, rows
+    cm.query_start_loc = torch.arange(rows + 1, dtype=torch.int32)
+    for step in range(1, k):
+        cm.seq_lens += 1
+        cm.seq_lens_cpu_upper_bound += 1
+        cm.max_seq_len += 1
+        out, again, reused = hook.window_forward(state, cm, config, block, step)
+        assert reused and again is dropped and out.block_table_tensor is first.block_table_tensor
+        now = cm.seq_lens.tolist()
+        for r in range(rows):
+            assert int(out.seq_lens[r]) == now[r] - block * drops[r]
+            kept = win.kept_blocks_after(now[r], drops[r], sink, block)
+            assert out.block_table_tensor[r, :len(kept)].tolist() == table[r, kept].tolist()
+            assert int(out.seq_lens[r]) <= int(out.seq_lens_cpu_upper_bound[r])
+            anchored_rows += 1
+        assert max(out.seq_lens.tolist()) <= out.max_seq_len
+        assert out.max_seq_len <= win.seq_len_bound(q0, sink, window, block, later=step)
+    # The next cycle's block table is another tensor: a later forward with it windows on its own.
+    next_cycle = dataclasses.replace(cm, block_table_tensor=table.clone())
+    _, _, reused = hook.window_forward(state, next_cycle, config, block, 1)
+    assert not reused
+
+# A vLLM without the hook point: a configured proposer refuses to start, naming what is missing.
 from wmtp.plugin.hookpoints import HookPointError
 fake = types.ModuleType(hp.PROPOSER_MODULE)
 class SpecDecodeBaseProposer:
@@ -379,7 +428,7 @@ try:
     raise SystemExit("a configured proposer started without its hook point")
 except HookPointError as err:
     refusal = str(err)
-print(json.dumps({"checked_rows": checked, "refusal": refusal, "deep": deep,
+print(json.dumps({"checked_rows": checked, "anchored_rows": anchored_rows, "refusal": refusal, "deep": deep,
                   "seconds": time.monotonic() - started}))
 """
 
@@ -388,7 +437,7 @@ print(json.dumps({"checked_rows": checked, "refusal": refusal, "deep": deep,
 def test_plugin_inside_the_engine(engine_python):
     """register() idempotent, import-hook patching, tensor math = reference, no mutation, refusal."""
     result = json.loads(_run_engine(engine_python, IN_ENGINE).strip().splitlines()[-1])
-    assert result["checked_rows"] > 300
+    assert result["checked_rows"] > 300 and result["anchored_rows"] > 300
     assert "build_per_group_and_layer_attn_metadata" in result["refusal"]
     assert f"vLLM {result['deep']['vllm_version']}" in result["refusal"]
 
@@ -822,18 +871,41 @@ def test_draft_table_and_seq_lens_are_bounded_and_exact(engines, server_run):
     builds = _builds(engines["records"]) + _builds(server_run["records"])
     assert builds
     windowed = 0
+    anchored = 0
     for b in builds:
         sink, window, block = b["sink"], b["window"], b["block_size"]
-        assert b["table_width"] <= win.table_width_bound(b["max_query_len"], sink, window, block)
-        assert b["windowed_max_seq_len"] <= win.seq_len_bound(b["max_query_len"], sink, window, block)
-        for full, kept_ids, seq, query, length in zip(
-            b["full_blocks"], b["windowed_blocks"], b["seq_lens"], b["query_lens"], b["windowed_seq_lens"], strict=True
+        # A later forward of a decode cycle keeps the window its cycle's first forward set.
+        if b["anchored"]:
+            assert b["draft_index"] > 0 and win.anchors_cycle(max(b["cycle_query_lens"]), K)
+            first_queries, later = max(b["cycle_query_lens"]), b["draft_index"]
+            assert b["table_width"] <= win.anchored_table_width(sink, window, block, K)
+            drops = [
+                win.dropped_blocks(s, q, sink, window, block)
+                for s, q in zip(b["cycle_seq_lens"], b["cycle_query_lens"], strict=True)
+            ]
+            anchored += 1
+        else:
+            first_queries, later = b["max_query_len"], 0
+            width = (
+                win.anchored_table_width(sink, window, block, K)
+                if b["draft_index"] == 0 and win.anchors_cycle(b["max_query_len"], K)
+                else win.table_width_bound(b["max_query_len"], sink, window, block)
+            )
+            assert b["table_width"] <= width
+            drops = [
+                win.dropped_blocks(s, q, sink, window, block)
+                for s, q in zip(b["seq_lens"], b["query_lens"], strict=True)
+            ]
+        bound = win.seq_len_bound(first_queries, sink, window, block, later=later)
+        assert b["windowed_max_seq_len"] <= bound
+        for full, kept_ids, seq, drop, length in zip(
+            b["full_blocks"], b["windowed_blocks"], b["seq_lens"], drops, b["windowed_seq_lens"], strict=True
         ):
-            assert length == win.windowed_seq_len(seq, query, sink, window, block)
-            assert kept_ids == [full[j] for j in win.kept_blocks(seq, query, sink, window, block)]
+            assert length == seq - block * drop
+            assert kept_ids == [full[j] for j in win.kept_blocks_after(seq, drop, sink, block)]
             windowed += length < seq
         # The host copies and derived lengths the draft's builders read agree with the windowed lengths.
-        lengths, bound = b["lengths"], win.seq_len_bound(b["max_query_len"], sink, window, block)
+        lengths = b["lengths"]
         assert lengths["seq_lens"] == b["windowed_seq_lens"]
         assert max(b["windowed_seq_lens"]) <= lengths["max_seq_len"] <= bound
         if lengths["seq_lens_cpu_upper_bound"] is not None:
@@ -844,12 +916,10 @@ def test_draft_table_and_seq_lens_are_bounded_and_exact(engines, server_run):
         computed = lengths["num_computed_tokens"][: len(b["windowed_seq_lens"])]
         assert computed == [w - q for w, q in zip(b["windowed_seq_lens"], b["query_lens"], strict=True)]
         assert not set(b["set_fields"]) & set(hp.REFUSED_FIELDS) and not hp.unclassified_fields(b["set_fields"])
-    assert windowed > 0
-    # Draft steps after the first (one query token) get one table width at every context length.
+    assert windowed > 0 and anchored > 0
+    # A decode cycle's forwards get one table width at every context length.
     for window_cfg in WINDOWS:
-        widths = {
-            b["table_width"] for b in builds if (b["sink"], b["window"]) == window_cfg and b["max_query_len"] == 1
-        }
+        widths = {b["table_width"] for b in builds if (b["sink"], b["window"]) == window_cfg and b["anchored"]}
         assert len(widths) == 1, (window_cfg, widths)
 
 

@@ -11,7 +11,10 @@ the later ones (1 each), and for each:
   any operation that waits for the device raises;
 - times the copy and the record on the host clock: the median over 7 rounds of 500 calls, never synchronised
   inside a round, beside the same for the plugin's previous copy (before it was cut to fewer kernels) and an
-  empty call.
+  empty call;
+- times one decode cycle's hook work, k = 3 draft forwards (the first with 4 queries, the later ones with 1):
+  as the plugin runs it (the later forwards keep the first one's window and table: one kernel each) beside each
+  forward windowed on its own, as the plugin did before.
 
 Usage: PYTHONPATH=src:/tmp/wmtp-engine/site python3 scripts/device/hook_cost.py --out $OUT/hook_cost.json
 """
@@ -36,6 +39,7 @@ SINK, WINDOW = 16, 4096
 CONTEXTS = (131_072, 524_288, 1_048_576)
 BATCHES = (1, 4)
 QUERIES = (4, 1)
+K = 3
 ROUNDS, CALLS = int(os.environ.get("ROUNDS", 7)), int(os.environ.get("CALLS", 500))
 
 
@@ -119,6 +123,19 @@ def _previous_copy(cm, config, block_size: int):
     return dataclasses.replace(cm, **replaced), drop
 
 
+def _later(cm):
+    """The same metadata as propose() hands a cycle's later forwards: one query a request, the same tensors."""
+    batch = cm.seq_lens.shape[0]
+    query_start = torch.arange(batch + 1, dtype=torch.int32)
+    return dataclasses.replace(
+        cm,
+        query_start_loc=query_start.to(cm.seq_lens.device),
+        query_start_loc_cpu=query_start,
+        num_actual_tokens=batch,
+        max_query_len=1,
+    )
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -139,6 +156,58 @@ def _host_us(call, *args) -> dict[str, float]:
         rounds.append(1e6 * (time.perf_counter() - started) / CALLS)
     _sync()
     return {"median": round(statistics.median(rounds), 2), "min": round(min(rounds), 2), "max": round(max(rounds), 2)}
+
+
+def _cycle_row(context: int, batch: int, device: torch.device, config, problems: list[str]) -> dict:
+    """One decode cycle's hook work, anchored as the plugin runs it and each forward on its own, checked and timed."""
+    import vllm
+
+    from wmtp.plugin import hook
+    from wmtp.plugin import stats as wstats
+    from wmtp.plugin import window as win
+
+    counters = wstats.DraftStats(SINK, WINDOW, vllm.__version__)
+    state = hook._State(config, counters, K)
+
+    def anchored_cycle(first, later):
+        for step in range(K):
+            cm = first if step == 0 else later
+            windowed, dropped, reused = hook.window_forward(state, cm, config, BLOCK, step)
+            counters.record(SINK, WINDOW, BLOCK, cm.max_seq_len, cm.max_query_len, dropped, reused=reused)
+        return windowed
+
+    def per_forward_cycle(first, later):
+        for step in range(K):
+            cm = first if step == 0 else later
+            windowed, dropped = hook.windowed_with_drops(cm, config, BLOCK)
+            counters.record(SINK, WINDOW, BLOCK, cm.max_seq_len, cm.max_query_len, dropped)
+        return windowed
+
+    first = _metadata(context, batch, K + 1, device)
+    later = _later(first)
+    last = anchored_cycle(first, later)
+    lens = first.seq_lens.tolist()
+    drops = [win.dropped_blocks(length, K + 1, SINK, WINDOW, BLOCK) for length in lens]
+    full, table = first.block_table_tensor.tolist(), last.block_table_tensor.tolist()
+    for row, (length, drop) in enumerate(zip(lens, drops, strict=True)):
+        kept = [full[row][j] for j in win.kept_blocks_after(length, drop, SINK, BLOCK)]
+        if int(last.seq_lens[row]) != length - BLOCK * drop or table[row][: len(kept)] != kept:
+            problems.append(f"context {context}, batch {batch}: a later forward lost its cycle's window")
+    _sync_debug("error")
+    try:
+        for _ in range(wstats.WRITE_EVERY_BUILDS):
+            anchored_cycle(first, later)
+    except RuntimeError as err:
+        problems.append(f"context {context}, batch {batch}: a cycle waited for the GPU: {err}")
+    finally:
+        _sync_debug("default")
+    return {
+        "context": context,
+        "batch": batch,
+        "draft_forwards": K,
+        "anchored_us": _host_us(anchored_cycle, first, later),
+        "per_forward_us": _host_us(per_forward_cycle, first, later),
+    }
 
 
 def main() -> int:
@@ -172,7 +241,7 @@ def main() -> int:
     def empty(cm):
         return cm
 
-    rows, problems, expected_skipped = [], [], 0
+    rows, cycles, problems, expected_skipped = [], [], [], 0
     for context in CONTEXTS:
         for batch in BATCHES:
             for queries in QUERIES:
@@ -210,6 +279,9 @@ def main() -> int:
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            cycle = _cycle_row(context, batch, device, config, problems)
+            cycles.append(cycle)
+            print(json.dumps(cycle), flush=True)
     timed_builds = len(rows) * ROUNDS * CALLS
     counters.write(wait=True)
     written = json.loads(counters.path.read_text())
@@ -241,6 +313,7 @@ def main() -> int:
         "calls_per_round": CALLS,
         "timed_builds": timed_builds,
         "rows": rows,
+        "cycles": cycles,
         "counters": {k: written[k] for k in ("builds", "windowed_forwards", "blocks_skipped")},
         "problems": problems,
         "passed": not problems,

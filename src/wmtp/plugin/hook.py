@@ -2,7 +2,9 @@
 
 Imported only inside a vLLM process, when ``vllm.v1.spec_decode.llm_base_proposer`` is first
 imported (see ``wmtp.plugin.register``). The index math is ``wmtp.plugin.window``'s, applied here to
-whole batches with tensor operations that never synchronise with the device.
+whole batches with tensor operations that never synchronise with the device. The hook runs on the host
+before every draft forward, on the engine's critical path wherever the host sets the pace: a decode
+cycle's first forward gathers the windowed table, its later forwards reuse it and launch one kernel.
 """
 
 from __future__ import annotations
@@ -44,17 +46,34 @@ def window_metadata(cm: Any, config: win.WindowConfig, block_size: int) -> Any:
     return windowed_with_drops(cm, config, block_size)[0]
 
 
+@dataclasses.dataclass
+class _Cycle:
+    """What a decode cycle's first draft forward windowed, for its later forwards to reuse."""
+
+    table: torch.Tensor  # the full block table it was gathered from: a later forward must hand in the same one
+    rows: int
+    config: win.WindowConfig
+    block_size: int
+    dropped: torch.Tensor  # blocks dropped per row
+    windowed_table: torch.Tensor
+    seq_len_bound: int  # of the first forward's windowed lengths; each later forward is one token longer
+
+
 def windowed_with_drops(cm: Any, config: win.WindowConfig, block_size: int) -> tuple[Any, Any | None]:
     """``window_metadata`` and the per-row count of dropped blocks (a device tensor; None when handed through)."""
+    windowed, cycle = _window_first(cm, config, block_size)
+    return windowed, None if cycle is None else cycle.dropped
+
+
+def _window_first(
+    cm: Any, config: win.WindowConfig, block_size: int, width: int | None = None
+) -> tuple[Any, _Cycle | None]:
+    """The windowed copy of a forward that sets its own window; its table ``width`` columns wide (at most the full
+    table's), by default enough for this forward alone."""
     sink, window = config.sink, config.window
     if not win.needs_window(cm.max_seq_len, sink, window):
         return cm, None
-    for name in hp.REFUSED_FIELDS:
-        if getattr(cm, name, None) is not None:
-            raise NotImplementedError(
-                f"wmtp: the draft's attention metadata sets {name}, which indexes keys by their logical "
-                "position; windowing shifts those positions, so wmtp does not support it"
-            )
+    _refuse_positional_fields(cm)
     seq_lens = cm.seq_lens
     n = seq_lens.shape[0]
     query_start = cm.query_start_loc
@@ -67,17 +86,31 @@ def windowed_with_drops(cm: Any, config: win.WindowConfig, block_size: int) -> t
 
     table = cm.block_table_tensor
     rows, cols = table.shape
-    width = min(cols, win.table_width_bound(cm.max_query_len, sink, window, block_size))
+    if width is None:
+        width = win.table_width_bound(cm.max_query_len, sink, window, block_size)
+    width = min(cols, width)
     column, after_sink = _columns(width, n_sink, table.device)
     row_drop = drop if rows == n else torch.cat([drop, drop.new_zeros(max(rows - n, 0))])[:rows]
     index = torch.mul(row_drop[:, None], after_sink).add_(column).clamp_(max=cols - 1)
     new_table = torch.gather(table, 1, index)
 
     bound = win.seq_len_bound(cm.max_query_len, sink, window, block_size)
+    cycle = _Cycle(table, n, config, block_size, drop, new_table, bound)
+    return _windowed_copy(cm, new_table, new_seq_lens, bound), cycle
+
+
+def _window_later(cm: Any, cycle: _Cycle, step: int) -> Any:
+    """The windowed copy of a later forward of an anchored cycle, ``step`` tokens on: one kernel."""
+    _refuse_positional_fields(cm)
+    new_seq_lens = torch.sub(cm.seq_lens, cycle.dropped, alpha=cycle.block_size)
+    return _windowed_copy(cm, cycle.windowed_table, new_seq_lens, cycle.seq_len_bound + step)
+
+
+def _windowed_copy(cm: Any, table: torch.Tensor, seq_lens: torch.Tensor, bound: int) -> Any:
     upper = cm.seq_lens_cpu_upper_bound
     replaced = {
-        "block_table_tensor": new_table,
-        "seq_lens": new_seq_lens,
+        "block_table_tensor": table,
+        "seq_lens": seq_lens,
         "max_seq_len": min(cm.max_seq_len, bound),
         # Still an upper bound of every windowed length: each is at most its full length and at most bound.
         "seq_lens_cpu_upper_bound": None if upper is None else upper.clamp(max=bound),
@@ -88,7 +121,16 @@ def windowed_with_drops(cm: Any, config: win.WindowConfig, block_size: int) -> t
     # the host). Windowing the host copy instead would inherit its aliasing with seq_lens_cpu_upper_bound, which
     # propose() increments in place, so it can run ahead of the device lengths.
     replaced.update({name: None for name in HOST_LENGTH_COPIES if hasattr(cm, name)})
-    return dataclasses.replace(cm, **replaced), drop
+    return dataclasses.replace(cm, **replaced)
+
+
+def _refuse_positional_fields(cm: Any) -> None:
+    for name in hp.REFUSED_FIELDS:
+        if getattr(cm, name, None) is not None:
+            raise NotImplementedError(
+                f"wmtp: the draft's attention metadata sets {name}, which indexes keys by their logical "
+                "position; windowing shifts those positions, so wmtp does not support it"
+            )
 
 
 @functools.lru_cache(maxsize=64)
@@ -102,7 +144,36 @@ def _columns(width: int, n_sink: int, device: torch.device) -> tuple[torch.Tenso
 class _State:
     config: win.WindowConfig
     stats: wstats.DraftStats
+    draft_steps: int  # k: a cycle's draft forwards
     logged: bool = False
+    cycle: _Cycle | None = None
+
+
+def window_forward(
+    state: _State, cm: Any, config: win.WindowConfig, block_size: int, draft_index: int
+) -> tuple[Any, Any | None, bool]:
+    """The windowed copy for one draft forward, the dropped blocks per row (None when handed through), and
+    whether it reused its cycle's window.
+
+    A decode cycle's first forward (``draft_index`` 0) sets the window and keeps it in ``state``; a later
+    forward of the same cycle (same block table, same rows, same S and W) reuses it.
+    """
+    if draft_index == 0:
+        anchors = win.anchors_cycle(cm.max_query_len, state.draft_steps)
+        width = win.anchored_table_width(config.sink, config.window, block_size, state.draft_steps) if anchors else None
+        windowed, cycle = _window_first(cm, config, block_size, width)
+        state.cycle = cycle if anchors else None
+        return windowed, None if cycle is None else cycle.dropped, False
+    cycle = state.cycle
+    if (
+        cycle is not None
+        and cycle.table is cm.block_table_tensor
+        and cycle.rows == cm.seq_lens.shape[0]
+        and cycle.config == config
+    ):
+        return _window_later(cm, cycle, draft_index), cycle.dropped, True
+    windowed, cycle = _window_first(cm, config, block_size)
+    return windowed, None if cycle is None else cycle.dropped, False
 
 
 def _refuse(what: str) -> HookPointError:
@@ -136,7 +207,8 @@ def _wrap_init(original, problem: str | None):
         if problem is not None:
             raise _refuse(problem)
         _check_instance(self)
-        setattr(self, STATE_ATTR, _State(config, wstats.DraftStats(config.sink, config.window, hp.vllm_version())))
+        stats = wstats.DraftStats(config.sink, config.window, hp.vllm_version())
+        setattr(self, STATE_ATTR, _State(config, stats, int(getattr(self, "num_speculative_tokens", 1) or 1)))
         testing.install(self)
         if config.ring:
             from wmtp.plugin import ring  # imports vLLM's KV cache manager: only when asked for
@@ -158,13 +230,16 @@ def _wrap_build(original):
             if not state.logged:
                 state.logged = True
                 _log_start(config, block_size)
+            draft_index = kwargs.get("draft_index", args[0] if args else 0)
             if testing.skip_window():
-                windowed, dropped = common_attn_metadata, None
+                windowed, dropped, reused = common_attn_metadata, None, False
             else:
-                windowed, dropped = windowed_with_drops(common_attn_metadata, config, block_size)
+                windowed, dropped, reused = window_forward(state, common_attn_metadata, config, block_size, draft_index)
             cm = common_attn_metadata
-            state.stats.record(config.sink, config.window, block_size, cm.max_seq_len, cm.max_query_len, dropped)
-            testing.observe(self, common_attn_metadata, windowed, config, block_size)
+            state.stats.record(
+                config.sink, config.window, block_size, cm.max_seq_len, cm.max_query_len, dropped, reused=reused
+            )
+            testing.observe(self, common_attn_metadata, windowed, config, block_size, draft_index, reused)
             common_attn_metadata = windowed
             state.stats.add_host_ns(time.perf_counter_ns() - started)
         return original(self, common_attn_metadata, *args, **kwargs)

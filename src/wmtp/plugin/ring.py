@@ -58,8 +58,8 @@ def freed_blocks(processed: int, sink: int, window: int, block_size: int) -> tup
     """Block indices [first, last) freed once ``processed`` tokens are committed.
 
     The same interval as the windowed read's dropped blocks (``window.dropped_blocks``) with the first query
-    position p0 replaced by the committed length; every later draft forward starts at p0 ≥ that length, so
-    whatever is freed is never read.
+    position p0 replaced by the committed length; every later draft window is set at a first query p0 ≥ that
+    length (a decode cycle's first forward's, which its later forwards keep), so whatever is freed is never read.
     """
     first = win.sink_blocks(sink, block_size)
     return first, max(first, max(processed - window, 0) // block_size)

@@ -34,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 ENV = "WMTP_PLUGIN_STATS_DIR"
+# Where a draft forward's window starts: set by a decode cycle's first forward and kept by its later ones
+# (wmtp.plugin.window). Counters written before the plugin kept it say nothing, which reads as "forward".
+WINDOW_ANCHOR = "cycle"
 PREFIX = "wmtp-stats-"
 WRITE_EVERY_S = 1.0
 WRITE_EVERY_BUILDS = 32
@@ -74,7 +77,10 @@ class DraftStats:
         self.windowed_forwards = 0
         self.longest_context = 0
         self.longest_decode_context = 0  # over forwards of one query token a request: p0 = seq_len - 1
+        self.anchored_forwards = 0  # later forwards of a cycle that kept its first forward's window
         self._skipped = None  # a device tensor: the sum of dropped blocks, read back only when written
+        self._cycle_total = None  # the dropped blocks of the current cycle's first forward (a device tensor)
+        self._reuses = 0  # later forwards of that cycle not yet added to _skipped
         self._skipped_host = 0
         self._skipped_as_of = 0  # the longest decode context when the sum in _skipped_host was taken
         self._pending: tuple[Any, Any, int] | None = None  # (pinned host copy, its CUDA event, decode context)
@@ -89,10 +95,18 @@ class DraftStats:
             self.write()
 
     def record(
-        self, sink: int, window: int, block_size: int, max_seq_len: int, max_query_len: int, dropped: Any | None
+        self,
+        sink: int,
+        window: int,
+        block_size: int,
+        max_seq_len: int,
+        max_query_len: int,
+        dropped: Any | None,
+        reused: bool = False,
     ) -> None:
         """One draft forward's metadata build; ``dropped`` is the per-row count of dropped blocks, or None
-        when the metadata was handed through (no context longer than S + W)."""
+        when the metadata was handed through (no context longer than S + W); ``reused`` when it is the
+        cycle's first forward's, kept by a later forward (its sum is added once a cycle, not once a forward)."""
         self.sink, self.window, self.block_size = sink, window, block_size
         self.builds += 1
         self.longest_context = max(self.longest_context, int(max_seq_len))
@@ -102,11 +116,22 @@ class DraftStats:
         if dropped is not None:
             first = self.windowed_forwards == 0
             self.windowed_forwards += 1
-            total = dropped.sum()
-            self._skipped = total if self._skipped is None else self._skipped + total
+            if reused and self._cycle_total is not None:
+                self.anchored_forwards += 1
+                self._reuses += 1
+            else:
+                self._fold_reuses()
+                total = dropped.sum()
+                self._cycle_total = total
+                self._skipped = total if self._skipped is None else self._skipped + total
         due = self.builds % WRITE_EVERY_BUILDS == 0 or time.monotonic() - self._written_at >= WRITE_EVERY_S
         if self.path is not None and (first or due):
             self.write()
+
+    def _fold_reuses(self) -> None:
+        if self._reuses:
+            self._skipped = self._skipped + self._cycle_total * self._reuses
+            self._reuses = 0
 
     def add_host_ns(self, ns: int) -> None:
         """Host time of one hooked metadata build (the window's copy and this record)."""
@@ -114,6 +139,7 @@ class DraftStats:
 
     def _read_skipped(self, wait: bool) -> None:
         """The dropped-block sum on the host; on a GPU without waiting for it unless ``wait``."""
+        self._fold_reuses()
         total = self._skipped
         if total is None:
             return
@@ -142,6 +168,8 @@ class DraftStats:
             "window": self.window,
             "builds": self.builds,
             "windowed_forwards": self.windowed_forwards,
+            "anchored_forwards": self.anchored_forwards,
+            "window_anchor": WINDOW_ANCHOR,
             "blocks_skipped": self._skipped_host,
             "skipped_as_of_decode_context": self._skipped_as_of,
             "longest_context": self.longest_context,
@@ -205,6 +233,8 @@ def summarize(found: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "proposers": len(found),
         "builds": sum(s["builds"] for s in found),
         "windowed_forwards": sum(s["windowed_forwards"] for s in found),
+        "anchored_forwards": sum(s.get("anchored_forwards", 0) for s in found),
+        "window_anchor": next((s["window_anchor"] for s in found if s.get("window_anchor")), None),
         "blocks_skipped": sum(s["blocks_skipped"] for s in found),
         "longest_context": max((s["longest_context"] for s in found), default=0),
         "longest_decode_context": max((s.get("longest_decode_context", 0) for s in found), default=0),
@@ -233,8 +263,9 @@ def check(
 
     It never ran when the longest prompt exceeded S + W and no draft forward was windowed, or when the
     plugin saw a decode step long enough that it must drop a block (beyond the rounded sink, one block and
-    W + k + 1 tokens, k for a ``max_seq_len`` that runs ahead under asynchronous drafting) and reports
-    none dropped. The second compares numbers of one write, so a report cut short cannot fail it.
+    W + 3k + 1 tokens: k for a ``max_seq_len`` that runs ahead under asynchronous drafting, 2k for a
+    cycle's later forwards, which keep its first forward's window) and reports none dropped. The second
+    compares numbers of one write, so a report cut short cannot fail it.
     """
     total = summarize(found)
     if longest_prompt <= sink + window:
@@ -254,7 +285,7 @@ def check(
         block = one.get("block_size")
         # The decode context as of the sum of dropped blocks reported beside it (older files: the longest one).
         decoded = one.get("skipped_as_of_decode_context", one["longest_decode_context"])
-        must_drop = block and decoded - window - (k + 1) >= (-(-sink // block) + 1) * block
+        must_drop = block and decoded - window - (3 * k + 1) >= (-(-sink // block) + 1) * block
         if must_drop and one["blocks_skipped"] == 0:
             raise WindowNotApplied(
                 f"{NEVER_RAN}: decode steps at up to {decoded} tokens must drop KV blocks "

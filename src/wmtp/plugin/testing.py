@@ -7,7 +7,8 @@ The engine tests (tests/test_plugin_vllm.py) use them to keep server starts few 
   ``tag`` copied into every record, and optionally ``"poison": {"sink": S', "window": W', "region": R}``:
   before each draft forward, the draft layer's KV is overwritten with large random values, written
   through the attention backend's own cache-write path (``do_kv_cache_update``) at the slots of
-  ``R = "outside"`` (default): the blocks the plugin drops for (S', W'), a draft that reads them changes;
+  ``R = "outside"`` (default): the blocks the plugin drops for (S', W') (for a later forward of a decode cycle,
+  those its first forward dropped, as the plugin keeps them), a draft that reads them changes;
   ``R = "sink"``: the first S' tokens; ``R = "window"``: the W' tokens before the forward's first query
   (both chosen by token position alone, so a window that failed to read them would show);
   ``"skip_window": true`` makes the hooked build hand the metadata through unwindowed (a hook that
@@ -32,6 +33,7 @@ from wmtp.plugin import window as win
 ENV = "WMTP_PLUGIN_TEST_DIR"
 _control: dict[str, Any] = {}
 _control_stamp: tuple[int, int, int] | None = None
+_cycle_start: tuple[list[int], list[int]] = ([], [])  # the current cycle's first forward: seq_lens, query_lens
 
 
 def _dir() -> Path | None:
@@ -90,13 +92,25 @@ def install(proposer: Any) -> None:
     proposer.propose = propose
 
 
-def observe(proposer: Any, full: Any, windowed: Any, config: win.WindowConfig, block_size: int) -> None:
+def observe(
+    proposer: Any,
+    full: Any,
+    windowed: Any,
+    config: win.WindowConfig,
+    block_size: int,
+    draft_index: int = 0,
+    anchored: bool = False,
+) -> None:
+    """Record one hooked build and poison before its forward; ``anchored`` when it kept its cycle's window."""
+    global _cycle_start
     if _dir() is None:
         return
     n = full.seq_lens.shape[0]
     query_lens = (full.query_start_loc[1 : n + 1] - full.query_start_loc[:n]).tolist()
     seq_lens = full.seq_lens.tolist()
     windowed_lens = windowed.seq_lens.tolist()
+    if draft_index == 0:
+        _cycle_start = (seq_lens, query_lens)
 
     def rows(table, lens):
         return [table[r, : -(-length // block_size)].tolist() for r, length in enumerate(lens)]
@@ -104,6 +118,10 @@ def observe(proposer: Any, full: Any, windowed: Any, config: win.WindowConfig, b
     _record(
         {
             "kind": "build",
+            "draft_index": draft_index,
+            "anchored": anchored,
+            "cycle_seq_lens": _cycle_start[0],
+            "cycle_query_lens": _cycle_start[1],
             "sink": config.sink,
             "window": config.window,
             "block_size": block_size,
@@ -122,7 +140,9 @@ def observe(proposer: Any, full: Any, windowed: Any, config: win.WindowConfig, b
     )
     poison = _read_control().get("poison")
     if poison:
-        spans = _poison_spans(poison, seq_lens, query_lens, block_size)
+        # A later forward of an anchored cycle drops what its cycle's first forward dropped.
+        starts = _cycle_start if anchored else (seq_lens, query_lens)
+        spans = _poison_spans(poison, seq_lens, query_lens, block_size, starts)
         _poison(proposer, full, spans, block_size, poison.get("region", "outside"))
 
 
@@ -140,12 +160,17 @@ def _length_fields(cm: Any) -> dict[str, Any]:
 
 
 def _poison_spans(
-    poison: dict[str, Any], seq_lens: list[int], query_lens: list[int], block_size: int
+    poison: dict[str, Any],
+    seq_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    window_starts: tuple[list[int], list[int]],
 ) -> list[tuple[int, int]]:
-    """Per row, the token positions [start, end) to poison."""
+    """Per row, the token positions [start, end) to poison; the dropped blocks are those of the forward whose
+    lengths ``window_starts`` holds (this one, or its cycle's first)."""
     sink, window, region = int(poison["sink"]), int(poison["window"]), poison.get("region", "outside")
     spans = []
-    for length, query in zip(seq_lens, query_lens, strict=True):
+    for row, (length, query) in enumerate(zip(seq_lens, query_lens, strict=True)):
         first_query = length - query
         if region == "sink":
             spans.append((0, min(sink, first_query)))
@@ -153,7 +178,8 @@ def _poison_spans(
             spans.append((max(first_query - window, 0), first_query))
         else:  # the blocks the plugin drops
             n_sink = win.sink_blocks(sink, block_size)
-            drop = win.dropped_blocks(length, query, sink, window, block_size)
+            start_len, start_query = window_starts[0][row], window_starts[1][row]
+            drop = win.dropped_blocks(start_len, start_query, sink, window, block_size)
             spans.append((n_sink * block_size, (n_sink + drop) * block_size))
     return spans
 

@@ -11,6 +11,13 @@ so the request's sequence shrinks by ``B`` tokens per dropped block. Keys sit in
 at their true positions and the paged kernels align causality to the end of the sequence, so the
 queries still see exactly the kept keys up to themselves.
 
+A decode cycle's draft forwards share one window start: the first forward (the k + 1 verified tokens
+at most) sets the dropped blocks, and the k - 1 later forwards (one query each, each a token further)
+keep them, so each later forward reads its window plus the tokens the cycle has advanced, fewer than
+2k more, and the windowed table is gathered once a cycle instead of once a forward. The start moves by
+at most one block a cycle either way; a first forward of more queries (a prefill's) windows each of
+its cycle's forwards on its own, so no later forward reads a whole chunk more than W.
+
 ``plugin/hook.py`` applies the same formulas to whole batches with tensor operations; the engine
 tests check it against these functions.
 """
@@ -77,8 +84,24 @@ def windowed_seq_len(seq_len: int, query_len: int, sink: int, window: int, block
 
 def kept_blocks(seq_len: int, query_len: int, sink: int, window: int, block_size: int) -> list[int]:
     """Indices (into the request's full block table) of the blocks the draft reads, in order."""
+    return kept_blocks_after(seq_len, dropped_blocks(seq_len, query_len, sink, window, block_size), sink, block_size)
+
+
+def anchors_cycle(max_query_len: int, draft_steps: int) -> bool:
+    """Whether the later forwards of a cycle whose first draft forward has ``max_query_len`` queries keep its
+    window start: in decode, where the first forward holds at most the ``draft_steps + 1`` verified tokens."""
+    return draft_steps > 1 and max_query_len <= draft_steps + 1
+
+
+def anchored_table_width(sink: int, window: int, block_size: int, draft_steps: int) -> int:
+    """The windowed table's columns for every forward of an anchored cycle, whatever its first forward's queries:
+    at most ``draft_steps + 1`` of them, and ``draft_steps - 1`` tokens more by its last forward."""
+    return table_width_bound(2 * draft_steps, sink, window, block_size)
+
+
+def kept_blocks_after(seq_len: int, drop: int, sink: int, block_size: int) -> list[int]:
+    """``kept_blocks`` for a later forward of an anchored cycle: the cycle's ``drop``, this forward's length."""
     n_blocks = -(-seq_len // block_size)
-    drop = dropped_blocks(seq_len, query_len, sink, window, block_size)
     n_sink = sink_blocks(sink, block_size)
     return [j if j < n_sink else j + drop for j in range(n_blocks - drop)]
 
@@ -88,18 +111,20 @@ def gather_index(column: int, drop: int, n_sink: int) -> int:
     return column if column < n_sink else column + drop
 
 
-def table_width_bound(max_query_len: int, sink: int, window: int, block_size: int) -> int:
-    """Columns enough for every row of the windowed table, whatever the context length."""
-    return sink_blocks(sink, block_size) + 1 + -(-(max_query_len + window) // block_size)
+def table_width_bound(max_query_len: int, sink: int, window: int, block_size: int, later: int = 0) -> int:
+    """Columns enough for every row of the windowed table, whatever the context length, also ``later`` tokens
+    on (the later forwards of an anchored cycle)."""
+    return sink_blocks(sink, block_size) + 1 + -(-(max_query_len + later + window) // block_size)
 
 
-def seq_len_bound(max_query_len: int, sink: int, window: int, block_size: int) -> int:
+def seq_len_bound(max_query_len: int, sink: int, window: int, block_size: int, later: int = 0) -> int:
     """An upper bound of every windowed sequence length, whatever the context length.
 
     A windowed row holds the sink blocks, at most ``B - 1`` tokens of the block holding ``p0 - W``
-    before the window, the window and the queries; a row too short to window is shorter than that.
+    before the window, the window and the queries; a row too short to window is shorter than that. A
+    later forward of an anchored cycle, ``later`` tokens on, holds that many more.
     """
-    return sink_blocks(sink, block_size) * block_size + max_query_len + window + block_size - 1
+    return sink_blocks(sink, block_size) * block_size + max_query_len + later + window + block_size - 1
 
 
 def needs_window(max_seq_len: int, sink: int, window: int) -> bool:

@@ -106,3 +106,17 @@ def test_the_windows_each_ran_are_read_from_the_replica_table_and_the_step_file(
         "The engine ran S 400, W 4096, which it reads as a sink of 560 tokens."
     )
     assert engine_steps.windows_sentence(None, None) == ""
+
+
+def test_each_way_the_plugin_set_its_window_gets_its_own_ratio_to_native_mtp():
+    steps = pd.DataFrame(
+        [
+            _row("none", 131072, 5.3, 5.3, 0.0, n=3, servers=1),
+            _row("mtp", 131072, 10.8, 10.8, 0.0, n=3, servers=1, server_step_ms="10.8"),
+            _row("wmtp", 131072, 12.0, 12.0, 0.0, n=3, servers=1, server_step_ms="12.0", window_anchor="forward"),
+            _row("wmtp", 131072, 9.0, 9.0, 0.0, n=3, servers=1, server_step_ms="9.0", window_anchor="cycle"),
+        ]
+    )
+    table = engine_steps.engine_step_section(steps, None).frame
+    ratios = dict(zip(table["wmtp window set per"], table["engine mtp / wmtp"], strict=True))
+    assert ratios == pytest.approx({"forward": 0.9, "cycle": 1.2})

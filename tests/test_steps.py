@@ -201,3 +201,23 @@ def test_cycles_come_from_the_chunks_gaps_over_the_cycles_their_tokens_took():
     windowed = table.loc[("wmtp", 131072)]
     assert windowed["cycles"] == 0 and math.isnan(windowed["cycle_ms"]) and math.isnan(windowed["chunk_ms"])
     assert windowed["hook_host_us_per_build"] == 87.5 and math.isnan(long["hook_host_us_per_build"])
+
+
+def test_plugins_that_set_the_window_per_forward_and_per_cycle_are_two_rows():
+    """A server whose plugin kept a cycle's window is not pooled with one whose plugin set it per forward."""
+    requests = pd.DataFrame(
+        [
+            _request("wmtp-old", "wmtp", 3, 131072, 2.56, cell_window_anchor="forward"),
+            _request("wmtp-new", "wmtp", 3, 131072, 1.28, cell_window_anchor="cycle"),
+            _request("wmtp-older", "wmtp", 3, 131072, 2.56),  # counters from before the plugin said it
+            _request("mtp", "mtp", 3, 131072, 2.56),
+        ]
+    )
+    rungs = pd.DataFrame(
+        [{"cell_id": c, "workload": "code", "rung": 131072, "tok_per_verify": 1.0} for c in requests["cell_id"]]
+    )
+    table = step_table(requests, rungs, engine_version="0.24.0").fillna({"window_anchor": ""})
+    rows = {
+        (a, anchor): (n, step) for a, anchor, n, step in table[["arm", "window_anchor", "servers", "step_ms"]].values
+    }
+    assert rows == {("mtp", ""): (1, 20.0), ("wmtp", "cycle"): (1, 10.0), ("wmtp", "forward"): (2, 20.0)}

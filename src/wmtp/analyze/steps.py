@@ -27,6 +27,7 @@ COLUMNS = [
     "k",
     "S",
     "W",
+    "window_anchor",
     "context",
     "batch",
     "step_ms",
@@ -62,7 +63,7 @@ COLUMNS = [
     "wmtp_revision",
     "plugin_sha256",
 ]
-SHAPE = ["arm", "k", "S", "W", "context", "batch"]
+SHAPE = ["arm", "k", "S", "W", "window_anchor", "context", "batch"]
 _RUNG = ["cell_id", "workload", "rung"]
 
 
@@ -144,6 +145,8 @@ def _server_rows(kept: pd.DataFrame, rungs: pd.DataFrame, engine_version: str) -
                 "k": int(first["k"]),
                 "S": int(first["sink"]) if windowed else math.nan,
                 "W": int(first["window"]) if windowed else math.nan,
+                # Where the plugin set a draft forward's window start: two plugins that differ here are two arms.
+                "window_anchor": (_distinct(group, "cell_window_anchor") or "forward") if windowed else "",
                 "context": int(first["rung"]),
                 "batch": int(first["concurrency"]),
                 # One server lifetime: its cell id and when it started (a cell id may be served again later).
@@ -268,7 +271,7 @@ def _add_growth(table: pd.DataFrame) -> None:
     table["growth_ms"] = math.nan
     table["growth_floor_ms"] = math.nan
     table["growth_servers"] = 0
-    for _, group in table.groupby(["arm", "k", "S", "W", "batch"], dropna=False, sort=False):
+    for _, group in table.groupby(["arm", "k", "S", "W", "window_anchor", "batch"], dropna=False, sort=False):
         ordered = group.sort_values("context")
         for (_, shorter), (index, longer) in zip(ordered.iterrows(), ordered.iloc[1:].iterrows(), strict=False):
             both = sorted(set(shorter["by_server"]) & set(longer["by_server"]))
@@ -292,7 +295,7 @@ def step_table(
     Requests the screening excluded are left out; ``n`` counts the rest, ``servers`` the servers they came from.
     A rung's tokens per cycle are its counters' (``rungs.tok_per_verify``; 1 for the arm without a draft). The
     cycle is timed by the clock ``clock`` names (``engine`` where the cells recorded the engine's own), the
-    client's beside it. Sorted by arm, k, S, W, context, batch.
+    client's beside it. Sorted by arm, k, S, W, window anchor, context, batch.
     """
     kept = requests[(requests["workload"] == workload) & ~requests["excluded"].astype(bool)]
     parts = _server_rows(kept, rungs, engine_version)
@@ -307,9 +310,7 @@ def step_table(
     # Whole numbers where there is a window, empty where there is none (not 16.0 and NaN).
     table[["S", "W"]] = table[["S", "W"]].astype("Int64")
     order = {"none": 0, "mtp": 1, "wmtp": 2, "wmtp-ring": 3}
-    table = table.sort_values(
-        ["arm", "k", "S", "W", "context", "batch"], key=lambda c: c.map(order) if c.name == "arm" else c
-    )
+    table = table.sort_values(SHAPE, key=lambda c: c.map(order) if c.name == "arm" else c)
     return table.reset_index(drop=True)
 
 

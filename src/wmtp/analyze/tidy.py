@@ -49,7 +49,11 @@ EFFECTIVE_WINDOW_COLUMNS = {
     "read_window_max": "window_tokens_max",
     "cell_windowed_forwards": "windowed_forwards",  # the cell's server in total, on each of its rows
     "cell_hook_host_us_per_build": "hook_host_us_per_build",  # the plugin's own host time per draft build
+    "cell_anchored_forwards": "anchored_forwards",  # later draft forwards that kept their cycle's window
 }
+# Where the plugin set each draft forward's window start (wmtp.plugin.stats.WINDOW_ANCHOR): "cycle" where it
+# said so, "forward" for a plugin that reported a window but not this (it set one per forward), "" without one.
+WINDOW_ANCHOR_COLUMN = "cell_window_anchor"
 
 
 def predicted_ring_reclaim(manifest: dict) -> float:
@@ -68,11 +72,13 @@ def predicted_ring_reclaim(manifest: dict) -> float:
     return 1.0 - ring / plain
 
 
-def effective_window(manifest: dict) -> dict[str, float]:
+def effective_window(manifest: dict) -> dict[str, float | str]:
     """The effective-window columns of a cell (NaN for arms without a window, or before the plugin reported)."""
     reported = manifest.get("wmtp_plugin") or {}
     values = {column: reported.get(key) for column, key in EFFECTIVE_WINDOW_COLUMNS.items()}
-    return {column: math.nan if value is None else value for column, value in values.items()}
+    out: dict[str, float | str] = {column: math.nan if value is None else value for column, value in values.items()}
+    out[WINDOW_ANCHOR_COLUMN] = str(reported.get("window_anchor") or ("forward" if reported else ""))
+    return out
 
 
 # A request whose decode window on the client differs from the engine's by more than this share is listed with
@@ -391,7 +397,11 @@ def rung_table(requests: pd.DataFrame, deltas: pd.DataFrame) -> pd.DataFrame:
             tok_per_j=analysis.tok_per_j(generated, energy),
             power_w=analysis.power_w(energy, window_s),
             power_status=str(group["power_status"].iloc[0]),
-            **{c: group[c].iloc[0] for c in (*EFFECTIVE_WINDOW_COLUMNS, *SERVER_COLUMNS) if c in group.columns},
+            **{
+                c: group[c].iloc[0]
+                for c in (*EFFECTIVE_WINDOW_COLUMNS, WINDOW_ANCHOR_COLUMN, *SERVER_COLUMNS)
+                if c in group.columns
+            },
         )
         rows.append(row)
     return pd.DataFrame(rows)

@@ -76,9 +76,22 @@ def ceiling_ratio(model: str, k: int) -> float:
     return limit_ratio(path, k) if path else math.nan
 
 
-def _windowed(group: pd.DataFrame, k: int, context: int) -> tuple[pd.Series | None, pd.Series | None]:
-    """The windowed row at that k whose window acts at this context, and the control row whose S + W covers it."""
+def _anchors(group: pd.DataFrame, k: int) -> list[str]:
+    """Where the plugins that measured wmtp at that k set a draft forward's window ("forward", "cycle")."""
     rows = group[(group["arm"] == "wmtp") & (group["k"] == k)]
+    if "window_anchor" not in rows.columns:  # a step file from before the plugin kept a cycle's window
+        return ["forward"]
+    return sorted(set(rows["window_anchor"].fillna("forward").astype(str)), reverse=True)
+
+
+def _windowed(
+    group: pd.DataFrame, k: int, context: int, anchor: str = "forward"
+) -> tuple[pd.Series | None, pd.Series | None]:
+    """The windowed row at that k whose window acts at this context, and the control row whose S + W covers it, of
+    the plugin that sets the window per ``anchor``."""
+    rows = group[(group["arm"] == "wmtp") & (group["k"] == k)]
+    if "window_anchor" in rows.columns:
+        rows = rows[rows["window_anchor"].fillna("forward").astype(str) == anchor]
     if "W" not in rows.columns:  # a step file from before windows were recorded: every row windowed
         return (rows.iloc[0] if len(rows) else None), None
     sink = pd.to_numeric(rows["S"], errors="coerce").fillna(0) if "S" in rows.columns else 0
@@ -121,9 +134,10 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
         none = group[group["arm"] == "none"]
         none_row = none.iloc[0] if len(none) else None
         none_ms = _value(none_row, "step_ms")
-        for k in sorted(set(group.loc[group["arm"] == "mtp", "k"]) & set(group.loc[group["arm"] == "wmtp", "k"])):
+        ks = sorted(set(group.loc[group["arm"] == "mtp", "k"]) & set(group.loc[group["arm"] == "wmtp", "k"]))
+        for k, anchor in ((each, anchor) for each in ks for anchor in _anchors(group, int(each))):
             mtp = group[(group["arm"] == "mtp") & (group["k"] == k)].iloc[0]
-            wmtp, control = _windowed(group, int(k), int(context))
+            wmtp, control = _windowed(group, int(k), int(context), anchor)
             if wmtp is None:
                 continue
             pair = pd.DataFrame([mtp, wmtp])
@@ -139,6 +153,7 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
                     "tokens": int(context),
                     "k": int(k),
                     "batch": int(batch),
+                    "wmtp window set per": anchor,
                     "clock": "/".join(sorted(clocks)) or "client",
                     "none (ms)": round(none_ms, 2),
                     "mtp (ms)": round(float(mtp["step_ms"]), 2),

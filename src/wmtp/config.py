@@ -228,6 +228,10 @@ class ProtocolSpec(_Strict):
     # called with chat_template_kwargs (e.g. {"enable_thinking": false}). The rung is the templated prompt's length.
     prompt_format: Literal["raw", "chat"] = "raw"
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # Engine iterations the engine's own profiler traces from each measured request's first token (0: none). A
+    # traced decode runs slower than an untraced one, so a study that profiles measures where time goes, not how
+    # long a cycle takes; vLLM's torch profiler, one request at a time.
+    profile_iterations: NonNegative = 0
 
     @model_validator(mode="before")
     @classmethod
@@ -251,6 +255,8 @@ class ProtocolSpec(_Strict):
             data.pop("servers", None)
         if data.get("repetition_penalty") is None:
             data.pop("repetition_penalty", None)
+        if not data.get("profile_iterations"):
+            data.pop("profile_iterations", None)
         if data.get("prompt_format") == "raw" and not data.get("chat_template_kwargs"):
             data.pop("prompt_format", None)
             data.pop("chat_template_kwargs", None)
@@ -312,6 +318,7 @@ class Study(_Strict):
             _check_arm(i, arm)
         _check_arms_distinct(self.arms)
         _check_protocol(self.protocol, self.models)
+        _check_profile(self.protocol, self.engines)
         _check_draft_room(self.protocol, self.models, self.arms)
         _check_warmup(self.protocol, self.models)
         _check_ring(self.arms, self.engines, self.models)
@@ -641,6 +648,22 @@ def _check_protocol(protocol: ProtocolSpec, models: list[ModelSpec]) -> None:
                 f"config: protocol.rungs[{j}] = {rung} is too short for the {short[0]} workload (its question, its "
                 f"answer's items and the text around them need ≥ {RULER_MIN_TOKENS} tokens); raise the rung or drop "
                 f"{short[0]!r} from protocol.workloads"
+            )
+
+
+def _check_profile(protocol: ProtocolSpec, engines: list[EngineSpec]) -> None:
+    if not protocol.profile_iterations:
+        return
+    if protocol.concurrency != [1]:
+        raise ConfigError(
+            f"config: protocol.profile_iterations traces one request at a time; it needs protocol.concurrency [1] "
+            f"(got {protocol.concurrency})"
+        )
+    for j, engine in enumerate(engines):
+        if engine.kind != "vllm":
+            raise ConfigError(
+                f"config: protocol.profile_iterations: engines[{j}] ({engine.name!r}) is {engine.kind}; only vLLM's "
+                "profiler is driven by the cells"
             )
 
 

@@ -43,6 +43,8 @@ SERVER_LOG = "server.log"
 MANIFEST_FILE = "manifest.json"
 # A cell is complete when all of these exist; the manifest is moved into place last.
 RAW_SUCCESS_FILES = (REQUESTS_FILE, COUNTERS_FILE, ENERGY_FILE, POWER_FILE, SERVER_LOG, MANIFEST_FILE)
+# A profiling study's cell also leaves the engine's traces here, one file per traced request (gzip'd JSON).
+PROFILE_DIR = "profile"
 FAILURE_FILE = "failure.json"
 SERVER_FAILED_LOG = "server.failed.log"
 

@@ -29,6 +29,9 @@ class ServeRequest:
     engine_args: Sequence[str] = field(default_factory=tuple)
     model_args: Sequence[str] = field(default_factory=tuple)
     host: str = "127.0.0.1"
+    # Where the engine's profiler writes its traces, and how many engine iterations a start traces (0: off).
+    profile_dir: Path | None = None
+    profile_iterations: int = 0
 
 
 class EngineAdapter(ABC):
@@ -80,6 +83,14 @@ class EngineAdapter(ABC):
         sent."""
         penalty = getattr(protocol, "repetition_penalty", None)
         return {} if penalty is None else {"repetition_penalty": penalty}
+
+    def start_profile(self, base_url: str) -> None:
+        """Start the engine's own profiler on a running server (whose ``ServeRequest`` named a profile dir)."""
+        raise NotImplementedError(f"{self.kind}: the cells cannot drive this engine's profiler")
+
+    def stop_profile(self, base_url: str) -> None:
+        """Stop the engine's profiler and let it write its traces."""
+        raise NotImplementedError(f"{self.kind}: the cells cannot drive this engine's profiler")
 
     def request_fields(self, extensions: Mapping[str, Any]) -> dict[str, Any]:
         """Columns of requests.parquet taken from a response's non-OpenAI fields."""

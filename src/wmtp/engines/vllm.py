@@ -83,7 +83,31 @@ def serve_argv(request: ServeRequest) -> list[str]:
     extra = additional_config(draft.arm, draft.sink, draft.window)
     if extra is not None:
         argv += ["--additional-config", json.dumps(extra, separators=(",", ":"))]
+    if r.profile_dir is not None and r.profile_iterations > 0:
+        argv += ["--profiler-config", json.dumps(profiler_config(r.profile_dir, r.profile_iterations))]
     return argv
+
+
+def profiler_config(directory: Path | str, iterations: int) -> dict[str, Any]:
+    """vLLM's torch profiler, tracing ``iterations`` engine iterations from each start into ``directory``: the
+    engine core's CPU and GPU activity, without Python stacks (their cost would fall on the host-bound cycles
+    it is meant to show) and without the API server's front end."""
+    return {
+        "profiler": "torch",
+        "torch_profiler_dir": str(Path(directory).resolve()),
+        "torch_profiler_with_stack": False,
+        "torch_profiler_use_gzip": True,
+        "ignore_frontend": True,
+        "max_iterations": iterations,
+        "active_iterations": iterations,
+    }
+
+
+def _post(base_url: str, path: str, timeout_s: float) -> None:
+    import httpx
+
+    response = httpx.post(base_url + path, timeout=timeout_s)
+    response.raise_for_status()
 
 
 def server_env(engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path) -> dict[str, str]:
@@ -262,6 +286,13 @@ class VLLMAdapter(EngineAdapter):
 
     def read_counters(self, base_url: str) -> dict[str, float]:
         return read_counters(base_url)
+
+    def start_profile(self, base_url: str) -> None:
+        _post(base_url, "/start_profile", timeout_s=60.0)
+
+    def stop_profile(self, base_url: str) -> None:
+        # The engine writes its traces before it answers: a long trace takes a while to compress.
+        _post(base_url, "/stop_profile", timeout_s=600.0)
 
     def check_cell(self, spec: Any, engine_manifest: Mapping[str, Any], cell: Any, extra_args: Sequence[str]) -> None:
         check_cell(spec, engine_manifest, cell)

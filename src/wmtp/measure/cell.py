@@ -94,6 +94,8 @@ class CellRun:
     rows: list[dict[str, Any]] = field(default_factory=list)
     counter_rows: list[dict[str, Any]] = field(default_factory=list)
     windows: list[EnergyWindow] = field(default_factory=list)
+    # Where the engine's profiler writes (inside the staging folder), when the protocol profiles.
+    profile_dir: Path | None = None
 
     @property
     def protocol(self):
@@ -172,6 +174,36 @@ def _top2_gap(top: dict[int, float]) -> float:
     return best[0] - best[1] if len(best) > 1 else float("inf")
 
 
+TRACE_SUFFIX = ".pt.trace.json"
+
+
+class _RequestProfile:
+    """The engine's profiler around one measured request: started at its first token (so the trace holds decode
+    cycles, not the prefill), stopped once the request is done; nothing where ``directory`` is None."""
+
+    def __init__(self, directory: Path | None, engine: EngineAdapter, base_url: str) -> None:
+        self.directory, self.engine, self.base_url = directory, engine, base_url
+        self._before = set(directory.glob(f"*{TRACE_SUFFIX}*")) if directory is not None else set()
+        self._traces: list[str] = []
+
+    def start(self) -> None:
+        if self.directory is not None:
+            self.engine.start_profile(self.base_url)
+
+    def finish(self, failed: bool) -> None:
+        """Stop the profiler and find its traces; not after a failed request (its server may be gone)."""
+        if self.directory is None or failed:
+            return
+        self.engine.stop_profile(self.base_url)
+        # One trace file a start (vLLM also rewrites a summary table beside them at every stop).
+        new = set(self.directory.glob(f"*{TRACE_SUFFIX}*")) - self._before
+        self._traces = sorted(str(path.relative_to(self.directory.parent)) for path in new)
+
+    def fields(self) -> dict[str, Any]:
+        """The request's trace files, relative to the cell's folder (no column where nothing was traced)."""
+        return {"profile_traces": self._traces} if self.directory is not None else {}
+
+
 def _measure(
     run: CellRun,
     meter: PowerMeter,
@@ -197,6 +229,7 @@ def _measure(
     """
     prompts = [task.text for task in tasks]
     per_request_windows = len(prompts) == 1 and not warmup and meter.available
+    profile = _RequestProfile(run.profile_dir if len(prompts) == 1 and not warmup else None, engine, base_url)
     # Alone on the server, a request owns every counter increment between two snapshots: acceptance gets one
     # value per request, so its noise enters the intervals (two /metrics reads, milliseconds).
     per_request_counters = len(prompts) == 1 and not warmup
@@ -212,6 +245,7 @@ def _measure(
             if per_request_windows:
                 prefill_w.append(meter.end_window(name + "/prefill"))
                 meter.begin_window(name + "/decode")
+            profile.start()
 
         try:
             if per_request_windows:
@@ -247,6 +281,7 @@ def _measure(
         t.join()
     if meter.available and not warmup and len(prompts) > 1:
         run.windows.append(meter.end_window(repeat_window))
+    profile.finish(failed=any(isinstance(result, BaseException) for result in results))
     rows = []
     for slot, result in enumerate(results):
         if isinstance(result, BaseException):
@@ -268,6 +303,7 @@ def _measure(
         )
         rows[-1]["expected_answer"] = list(task.answer) if task.answer is not None else None
         rows[-1]["answer_recall"] = score(workload, result.text, task.answer) if task.answer is not None else None
+        rows[-1].update(profile.fields())
     if per_request_counters and counters_before:
         after = settled_counters(engine, base_url, counters_before, len(prompts))
         # Raw differences, negative ones included: a counter that went backwards is screened out downstream.
@@ -517,6 +553,8 @@ def _build_server(run: CellRun, engine: EngineAdapter, staging: Path, cache_dir:
             draft=cell,
             engine_args=tuple(spec.serve_args),
             model_args=tuple(model.serve_args),
+            profile_dir=run.profile_dir,
+            profile_iterations=run.protocol.profile_iterations,
         )
     )
     env = engine.server_env(spec.env, cache_dir.resolve(), short_tmp)
@@ -632,8 +670,12 @@ def run_cell(run: CellRun) -> Path:
         return out_dir
     for name in (*layout.RAW_SUCCESS_FILES, layout.FAILURE_FILE, layout.SERVER_FAILED_LOG):
         (out_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(out_dir / layout.PROFILE_DIR, ignore_errors=True)
     staging = out_dir / f"{STAGING_PREFIX}{os.getpid()}"
     staging.mkdir()
+    if study.protocol.profile_iterations:
+        run.profile_dir = staging / layout.PROFILE_DIR
+        run.profile_dir.mkdir()
     # The engine's compile caches are shared by the cells of one engine, outside the raw files.
     cache_dir = run.cache_dir or (out_dir / ".cache")
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -703,6 +745,8 @@ def run_cell(run: CellRun) -> Path:
         _write_parquet(meter.samples(), staging / layout.POWER_FILE, columns=["t_s", "power_w"])
         (staging / layout.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, default=str))
         keep_staging = True  # from here on the staging folder holds a finished measurement
+        if run.profile_dir is not None:
+            os.replace(run.profile_dir, out_dir / layout.PROFILE_DIR)
         for name in layout.RAW_SUCCESS_FILES:  # manifest.json last: its presence means the cell is complete
             os.replace(staging / name, out_dir / name)
         keep_staging = False

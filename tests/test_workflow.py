@@ -75,14 +75,14 @@ def test_spark_profile_dry_run_as_typed(spark_model_placeholder):
 
 
 def test_h200_study_dry_run(tmp_path):
-    """The H200 study plans its weightless model, its engine, every cell, collect and the report."""
+    """The H200 study, measured in pieces, plans its weightless model, its engine, every piece it lists, a collect
+    per group of pieces and its step file; no whole cell and no report (tests/test_pieces.py has the rest)."""
     out = run("-n", "--configfile", "config/studies/h200-vllm.yaml", *scratch_dirs(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     jobs = job_counts(out.stdout)
-    # none, mtp, wmtp and the window-off control, three servers each
-    assert jobs["dummy_model"] == 1 and jobs["engine"] == 1 and jobs["cell"] == 12
-    assert jobs["collect"] == 1 and jobs["report"] == 1
-    assert "tiny_model" not in jobs and "trained_model" not in jobs
+    assert jobs["dummy_model"] == 1 and jobs["engine"] == 1 and jobs["piece"] == 15
+    assert jobs["collect_pieces"] == 4 and jobs["step_table"] == 1
+    assert not {"cell", "collect", "report", "tiny_model", "trained_model"} & set(jobs)
     assert re.search(r"-m wmtp\.model\.dummy --architecture \S*/config/models/qwen3\.6-35b-a3b\.json ", out.stdout)
     assert "--max-position-embeddings 1049600" in out.stdout
 

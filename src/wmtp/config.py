@@ -286,6 +286,9 @@ class ReplicaSettings(_Strict):
     label: str = "h200"
     # Tidy this folder of replica_*.csv (e.g. measurements/h200) instead of running the sweep.
     raw: str | None = None
+    # A real engine's step files (wmtp step-table's CSV, e.g. measurements/h200/vllm_qwen3.6-35b-a3b.csv), which the
+    # report sets beside the replica's step: inputs of the report, named here rather than found on disk.
+    engine_steps: Annotated[list[str], Unique] = Field(default_factory=list)
     # bytes/s for the prediction; None: the copy bandwidth measured in the same run.
     bandwidth: Annotated[float, Field(gt=0)] | None = None
 

@@ -39,6 +39,11 @@ rule piece:
 rule collect_pieces:
     input:
         manifests=lambda wc: piece_manifests(wc.group),
+        # What collect reads of each piece besides its manifest.
+        tables=lambda wc: [
+            m.parent / name for m in piece_manifests(wc.group) for name in layout.COLLECTED_FILES
+            if name != layout.MANIFEST_FILE
+        ],
         code=source_files("analyze"),
     output:
         layout.piece_tidy_files(RESULTS, "{group}"),

@@ -8,9 +8,17 @@ from pathlib import Path
 from snakemake.settings.types import DeploymentMethod
 
 from wmtp import layout
-from wmtp.config import ConfigError, architecture_file, read_study_file, resolved_study_json, study_from_dict
+from wmtp.config import (
+    ConfigError,
+    Piece,
+    architecture_file,
+    expand_pieces,
+    read_study_file,
+    resolved_study_json,
+    study_from_dict,
+)
 from wmtp.model.hub import DOWNLOAD_MANIFEST
-from wmtp.measure.identity import cell_identity, cell_study, identity_hash
+from wmtp.measure.identity import cell_identity, cell_study, identity_hash, piece_identity, piece_study
 from wmtp.engines.build import CHECKS_VERSION as ENGINE_CHECKS_VERSION
 from wmtp.engines.build import build_hash, build_spec, engine_python, spec_hash
 from wmtp.engines.capacity import check_weightless_fit
@@ -57,6 +65,7 @@ STUDY_JSON = resolved_study_json(STUDY)
 
 wildcard_constraints:
     cell=layout.CELL_ID_PATTERN,
+    group=layout.PIECE_GROUP_PATTERN,
     digest="[0-9a-f]{16}",
     engine=layout.NAME_PATTERN,
     model=layout.NAME_PATTERN,
@@ -183,7 +192,83 @@ def derived_tables():
     return layout.derived_files(RESULTS)
 
 
+# The pieces the study lists (its key `pieces`), by group and cell id: what its step files are made of.
+PIECES = {(piece.group, piece.cell.cell_id): piece for piece in expand_pieces(STUDY)}
+# Where a piece's raw files go: the {group} wildcard names its rungs (layout.piece_group).
+RAW_PIECE = layout.piece_dir(RESULTS, "{group}", "{cell}")
+
+
+def piece_of(group, cell_id):
+    """The piece a path names: any cell of the study over any of its rungs, listed in `pieces` or not (only the
+    listed ones are collected into the step files)."""
+    if cell_id not in CELLS:
+        raise WorkflowError(f"{cell_id} is not a cell of study {STUDY.study!r} (wmtp check-config lists them)")
+    try:
+        rungs = layout.piece_rungs(group)
+    except ValueError as err:
+        raise WorkflowError(str(err)) from None
+    unknown = sorted(set(rungs) - set(STUDY.protocol.rungs))
+    if unknown:
+        raise WorkflowError(f"{group}: rungs {unknown} are not among the protocol.rungs of study {STUDY.study!r}")
+    return Piece(CELLS[cell_id], rungs)
+
+
+def piece_inputs(wildcards):
+    """The engine and model a piece's job reads. A piece that is there is never measured again (raw files are never
+    rewritten), whatever remakes its engine or its model: where both are there its inputs are ancient(), so neither
+    a newer file nor a job that remakes one reruns it, and the set of its inputs stays what Snakemake recorded when
+    it ran; where they are not (a fresh machine, the raw files carried in), it has none, so nothing is built for it."""
+    piece = piece_of(wildcards.group, wildcards.cell)
+    engine, model = engine_input(piece.cell.engine), model_files(piece.cell.model)
+    if not (layout.piece_dir(RESULTS, wildcards.group, wildcards.cell) / layout.MANIFEST_FILE).exists():
+        return {"engine": engine, "model": model}
+    if all(Path(f).exists() for f in (engine, *model)):
+        return {"engine": ancient(engine), "model": [ancient(f) for f in model]}
+    return {}
+
+
+def piece_study_json(group, cell_id):
+    return json.dumps(piece_study(STUDY, piece_of(group, cell_id)), sort_keys=True)
+
+
+def piece_identity_hash(group, cell_id):
+    return identity_hash(piece_identity(STUDY, piece_of(group, cell_id), base_dir=Path.cwd()))
+
+
+def piece_groups():
+    """The groups of the listed pieces, in the order the study lists them."""
+    return list(dict.fromkeys(group for group, _ in PIECES))
+
+
+def piece_manifests(group, model=None, engine=None):
+    """The manifests of the listed pieces of a group (of one model on one engine, if named)."""
+    manifests = [
+        layout.piece_dir(RESULTS, g, cell_id) / layout.MANIFEST_FILE
+        for (g, cell_id), piece in PIECES.items()
+        if g == group and model in (None, piece.cell.model) and engine in (None, piece.cell.engine)
+    ]
+    if not manifests:
+        raise WorkflowError(f"study {STUDY.study!r} lists no piece over {group} (its key `pieces`)")
+    return manifests
+
+
+def step_groups(model, engine):
+    """The groups holding listed pieces of this model on this engine, in the order the study lists them."""
+    return list(dict.fromkeys(g for (g, _), p in PIECES.items() if (p.cell.model, p.cell.engine) == (model, engine)))
+
+
+def step_files():
+    """One step file per model and engine of the listed pieces."""
+    keys = sorted({(piece.cell.model, piece.cell.engine) for piece in PIECES.values()})
+    return [layout.step_file(RESULTS, model, engine) for model, engine in keys]
+
+
 def all_targets():
     """The report and everything it is made from that a person reads: Snakemake makes an intermediate file again
-    only when something asks for it, so the tables are targets too (removed, a plain run makes them again)."""
+    only when something asks for it, so the tables are targets too (removed, a plain run makes them again). A study
+    measured in pieces makes its step files and each group's tables instead: its cells are never whole, so it has
+    no tables of whole cells for a report."""
+    if PIECES:
+        groups = [file for group in piece_groups() for file in layout.piece_tidy_files(RESULTS, group)]
+        return [RESOLVED_CONFIG, *step_files(), *groups]
     return [layout.report_file(RESULTS), RESOLVED_CONFIG, *tidy_tables(), *derived_tables()]

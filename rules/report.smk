@@ -8,8 +8,8 @@ rule report:
         notebook="notebooks/report.ipynb",
         code=source_files("analyze", "report"),
         replica=REPLICA_RESULTS / "tidy" / "replica.parquet",
-        # A real engine's step files beside the replica's raw numbers (measurements/h200/vllm_<model>.csv).
-        engine_steps=sorted(REPLICA_RAW.glob("vllm_*.csv")),
+        # A real engine's step files beside the replica's step, as the study names them (replica.engine_steps).
+        engine_steps=STUDY.replica.engine_steps,
         # Everything else the report reads: editing a published number or a model's facts re-renders it.
         published=sorted(Path(workflow.basedir).glob("config/published/*.csv")),
         models=sorted(Path(workflow.basedir).glob("config/models/*.json")),

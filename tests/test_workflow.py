@@ -75,14 +75,14 @@ def test_spark_profile_dry_run_as_typed(spark_model_placeholder):
 
 
 def test_h200_study_dry_run(tmp_path):
-    """The H200 study plans its weightless model, its engine, every cell, collect and the report."""
+    """The H200 study, measured in pieces, plans its weightless model, its engine, every piece it lists, a collect
+    per group of pieces and its step file; no whole cell and no report (tests/test_pieces.py has the rest)."""
     out = run("-n", "--configfile", "config/studies/h200-vllm.yaml", *scratch_dirs(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     jobs = job_counts(out.stdout)
-    # none, mtp, wmtp and the window-off control, three servers each
-    assert jobs["dummy_model"] == 1 and jobs["engine"] == 1 and jobs["cell"] == 12
-    assert jobs["collect"] == 1 and jobs["report"] == 1
-    assert "tiny_model" not in jobs and "trained_model" not in jobs
+    assert jobs["dummy_model"] == 1 and jobs["engine"] == 1 and jobs["piece"] == 15
+    assert jobs["collect_pieces"] == 4 and jobs["step_table"] == 1
+    assert not {"cell", "collect", "report", "tiny_model", "trained_model"} & set(jobs)
     assert re.search(r"-m wmtp\.model\.dummy --architecture \S*/config/models/qwen3\.6-35b-a3b\.json ", out.stdout)
     assert "--max-position-embeddings 1049600" in out.stdout
 
@@ -104,9 +104,9 @@ def files_under(folder: Path) -> set[str]:
 
 
 def broken_spark_study(tmp_path: Path) -> Path:
-    """The Spark study with one bracket left open on line 18 (its engine's packages)."""
+    """The Spark study with one bracket left open on line 20 (its engine's packages)."""
     text = (REPO / "config" / "studies" / "spark-128k.yaml").read_text()
-    assert text.splitlines()[17] == '    packages: ["vllm==0.24.0"]'
+    assert text.splitlines()[19] == '    packages: ["vllm==0.24.0"]'
     study = tmp_path / "broken.yaml"
     study.write_text(text.replace('packages: ["vllm==0.24.0"]', 'packages: ["vllm==0.24.0"', 1))
     return study
@@ -134,9 +134,9 @@ def test_a_yaml_error_stops_every_entry_point_before_the_dag_and_verbose_names_t
     verbose = run("-n", "--verbose", *ENTRY_POINTS[entry], "--configfile", str(study))
     text = verbose.stdout + verbose.stderr
     assert verbose.returncode != 0, text
-    # The unclosed bracket begins on line 18; the parser notices on line 19.
-    assert f'in "{study}", line 18, column 15' in text, text
-    assert f'in "{study}", line 19, column 5' in text, text
+    # The unclosed bracket begins on line 20; the parser notices on line 21.
+    assert f'in "{study}", line 20, column 15' in text, text
+    assert f'in "{study}", line 21, column 5' in text, text
     assert "Building DAG" not in text
     assert files_under(REPO / "results") == before
 
@@ -159,8 +159,8 @@ def test_check_config_names_the_file_line_and_column(tmp_path):
     out = subprocess.run([*check, str(study)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert (
-        f"config: {study}, line 19, column 5: expected ',' or ']', but got '<scalar>' "
-        "(while parsing a flow sequence that begins at line 18, column 15)"
+        f"config: {study}, line 21, column 5: expected ',' or ']', but got '<scalar>' "
+        "(while parsing a flow sequence that begins at line 20, column 15)"
     ) in out.stderr, out.stderr
     missing = tmp_path / "no-such-study.yaml"
     out = subprocess.run([*check, str(missing)], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -220,3 +220,19 @@ def test_the_code_that_computes_the_tables_and_the_report_is_their_input(tmp_pat
         ("report", "report/sections.py"),
     ):
         assert f"src/wmtp/{source}" in inputs[rule], (rule, inputs.get(rule))
+
+
+def test_the_report_reads_the_step_files_the_study_names(tmp_path):
+    """A real engine's step files reach the report as the study names them (replica.engine_steps), never as a glob
+    of a folder: a study that names none hands the report none."""
+    out = run("-n", "-p", *scratch_dirs(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = next(line for line in out.stdout.splitlines() if " report --study " in line)
+    assert report.endswith("--engine-steps measurements/h200/vllm_qwen3.6-35b-a3b.csv")
+    study = tmp_path / "no-steps.yaml"
+    text = (REPO / "config" / "config.yaml").read_text()
+    study.write_text(text.replace("  engine_steps: [measurements/h200/vllm_qwen3.6-35b-a3b.csv]\n", ""))
+    out = run("-n", "-p", "--configfile", str(study), *scratch_dirs(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = next(line for line in out.stdout.splitlines() if " report --study " in line)
+    assert report.rstrip().endswith("--engine-steps") and "vllm_" not in report

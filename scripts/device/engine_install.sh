@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the vLLM engine on an H200 that has no package index, from the parts that
+# Install the vLLM engine and Snakemake on an H200 that has no package index, from the parts that
 # scripts/device/engine_wheels.sh made (.gpu-inputs/engine-parts/: engine.tar.part-NNN, engine.sha256).
 #
 # Runs ON the H200, in the repository root. A run there carries at most 64 MiB, the working tree
@@ -12,16 +12,18 @@
 #   last run:  bash scripts/device/engine_install.sh .gpu-inputs/engine-parts/engine.tar.part-<last> --install
 # With --install (alone, or after the last part) it checks the whole tar against the manifest, unpacks
 # the wheels, installs them with `pip install --no-index --no-deps --target /tmp/wmtp-engine/site`, lists
-# any requirement that the image and the carried set leave unmet, and prints the installed vLLM version.
-# The engine's own run follows within 30 s, with
-#   export PYTHONPATH=/tmp/wmtp-engine/site${PYTHONPATH:+:$PYTHONPATH}
+# any requirement that the image and the carried set leave unmet, installs this checkout's wmtp beside them
+# (the servers import the plugin from there), and prints the installed vLLM and Snakemake versions. --wmtp alone
+# installs this checkout's wmtp again where its sources changed (scripts/device/h200_background.sh does, each start).
+# The workflow's own runs follow within 30 s, with
+#   export PYTHONPATH=$PWD/src:/tmp/wmtp-engine/site
 #
 # Every step can be repeated: a part already appended is skipped (same name and hash), a part out of
 # order is refused with the part expected next, and --install on an installed tree only prints the
 # version. If the H200 was released in between (/tmp/wmtp-engine is gone or holds another tar), start
 # again from part-000; --reset clears the state by hand.
 #
-# Usage: engine_install.sh [--reset] [PART] [--install] [--manifest FILE]
+# Usage: engine_install.sh [--reset] [PART] [--install] [--wmtp] [--manifest FILE]
 set -euo pipefail
 
 dir=/tmp/wmtp-engine
@@ -32,19 +34,41 @@ python=${PYTHON:-python3}
 die() { echo "engine_install: ERROR: $*" >&2; exit 1; }
 trap 'echo "engine_install: ERROR: failed at line $LINENO: $BASH_COMMAND" >&2' ERR
 
-part="" install=0 manifest=""
+part="" install=0 manifest="" wmtp=0
 while [ $# -gt 0 ]; do
   case $1 in
     --install) install=1 ;;
+    --wmtp) wmtp=1 ;;
     --reset) rm -rf "$dir"; echo "engine_install: cleared $dir" ;;
     --manifest) [ $# -ge 2 ] || die "--manifest needs a file"; manifest=$2; shift ;;
-    -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,26p' "$0"; exit 0 ;;
     -*) die "unknown option $1" ;;
     *) [ -z "$part" ] || die "one part per run (got $part and $1)"; part=$1 ;;
   esac
   shift
 done
-[ -n "$part" ] || [ "$install" = 1 ] || die "nothing to do: name a part and/or --install (see --help)"
+[ -n "$part" ] || [ "$install" = 1 ] || [ "$wmtp" = 1 ] || die "nothing to do: name a part, --install or --wmtp (see --help)"
+
+# This checkout's wmtp beside the engine: a server's PYTHONPATH is the engine's site alone (the study's engine env),
+# and vLLM loads the plugin from there. Marked by a hash of its sources: a changed checkout installs again.
+install_wmtp() {
+  local rev
+  rev=$(find src pyproject.toml -type f -not -path '*/__pycache__/*' | sort | xargs sha256sum | sha256sum | cut -c1-16)
+  if [ "$(cat "$dir/site/.wmtp-installed" 2>/dev/null)" = "$rev" ]; then
+    echo "engine_install: this checkout's wmtp is beside the engine"
+    return
+  fi
+  "$python" -m pip install -q --no-deps --no-index --no-build-isolation --upgrade --target "$dir/site" . ||
+    die "could not install this checkout's wmtp beside the engine"
+  echo "$rev" >"$dir/site/.wmtp-installed"
+  echo "engine_install: installed this checkout's wmtp beside the engine ($rev)"
+}
+
+if [ "$wmtp" = 1 ] && [ -z "$part" ] && [ "$install" = 0 ]; then
+  [ -f "$dir/site/.wmtp-engine-installed" ] || die "no engine in $dir/site: install it first (its last part with --install)"
+  install_wmtp
+  exit 0
+fi
 
 mkdir -p "$dir"
 touch "$log"
@@ -171,5 +195,10 @@ for line in sorted(set(unmet)):
 print(f"engine_install: {len(set(unmet))} unmet requirement(s)")
 EOF
 
+install_wmtp
 echo "engine_install: PYTHONPATH=$PYTHONPATH"
+# What the workflow itself imports beside vLLM, named before any run needs it.
+PYTHONPATH=$PWD/src:$PYTHONPATH "$python" -c 'import pandas, pyarrow, pydantic, yaml, httpx, tokenizers, jinja2, wmtp' ||
+  die "the image and the carried set lack a module the workflow needs (above)"
+echo "engine_install: snakemake $("$python" -m snakemake --version)"
 "$python" -c 'import vllm; print(vllm.__version__)'

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Build the carry set of the vLLM engine for an H200 that has no package index: every wheel that vLLM
-# (VLLM_VERSION, default 0.24.0, the CUDA build) needs at run time on CPython 3.12 / x86-64 manylinux,
-# less the packages the H200's image already holds, packed into one tar and cut into parts small enough
-# to travel with one run on the H200 each.
+# (VLLM_VERSION, default 0.24.0, the CUDA build) and Snakemake (the version pyproject.toml pins) need at run time
+# on CPython 3.12 / x86-64 manylinux, less the packages the H200's image already holds, packed into one tar and
+# cut into parts small enough to travel with one run on the H200 each. Snakemake travels with the engine so that
+# the H200 runs the workflow itself (docs/gpu.md); the two are resolved together, so they agree on every package
+# they share.
 #
 # Runs here, where pip reaches the package index:
 #   bash scripts/device/engine_wheels.sh [OUT_DIR]          # OUT_DIR defaults to .gpu-inputs/engine-parts
 #
-# It resolves vLLM's requirements with `pip install --dry-run --report` for the H200's interpreter and
-# platform (the versions the image is known to hold are passed as constraints, so the carried packages
+# It resolves vLLM's and Snakemake's requirements with `pip install --dry-run --report` for the H200's interpreter
+# and platform (the versions the image is known to hold are passed as constraints, so the carried packages
 # agree with them), drops torch, torchvision, torchaudio, triton and every other package of the image
 # (IMAGE_PACKAGES below, compared by normalised name), downloads exactly one wheel of each remaining
 # package with `pip download --no-deps`, and writes into OUT_DIR (replaced as a whole):
@@ -30,6 +32,7 @@
 #
 # Environment:
 #   VLLM_VERSION   vLLM release to carry (default 0.24.0)
+#   SNAKEMAKE_VERSION  Snakemake release to carry (default: the one pyproject.toml pins)
 #   PYTHON         interpreter that runs pip; a CPython 3.12 is preferred, because pip evaluates
 #                  environment markers (python_version) against the interpreter that runs it
 #                  (default: python3.12 if it runs, else python3)
@@ -41,10 +44,17 @@
 # not select (the CuTe-DSL GDN prefill, FlashInfer's prebuilt cubins, TileLang, TokenSpeed, CUTLASS' Python DSL
 # and the CUDA compiler it drives). The cells serve FLASH_ATTN with `--gdn-prefill-backend triton`. Without them
 # the set is about 380 MB instead of 1.3 GB: seven parts instead of 23.
+#
+# Left out of Snakemake's set (UNUSED_BY_SNAKEMAKE): PuLP, 16 MB with the solver binaries it bundles, which only
+# Snakemake's ILP scheduler imports; profiles/h200 schedules greedily (one GPU job at a time needs no solver).
+# Built here (PURE_SDISTS): pure-Python requirements published as source only (pip takes only wheels for another
+# platform), each built into a py3-none-any wheel first.
 set -euo pipefail
 LAZY_KERNELS="flashinfer-cubin tokenspeed-triton tokenspeed-mla nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base
   nvidia-cutlass-dsl-libs-cu13 nvidia-nvvm nvidia-cuda-nvcc nvidia-cuda-crt nvidia-cuda-cccl nvidia-cuda-tileiras
   cuda-tile tilelang z3-solver quack-kernels humming-kernels"
+UNUSED_BY_SNAKEMAKE="pulp"
+PURE_SDISTS="connection-pool"
 
 out=${1:-.gpu-inputs/engine-parts}
 vllm_version=${VLLM_VERSION:-0.24.0}
@@ -66,6 +76,20 @@ if [ "$py_version" != 3.12 ]; then
     "not for the H200's 3.12 (set PYTHON to a CPython 3.12)" >&2
 fi
 "$python" -m pip --version >/dev/null || die "$python has no pip"
+root=$(cd "$(dirname "$0")/../.." && pwd)
+# The Snakemake the pipeline pins, so that the H200 runs the release every other machine does.
+snakemake_version=${SNAKEMAKE_VERSION:-}
+if [ -z "$snakemake_version" ]; then
+  snakemake_version=$("$python" - "$root/pyproject.toml" <<'EOF'
+import re, sys, tomllib
+with open(sys.argv[1], "rb") as f:
+    extras = tomllib.load(f)["project"]["optional-dependencies"]
+pins = [m.group(1) for dep in extras["pipeline"] if (m := re.fullmatch(r"snakemake==(\S+)", dep))]
+print(pins[0] if pins else "")
+EOF
+  )
+fi
+[ -n "$snakemake_version" ] || die "pyproject.toml pins no snakemake==<version> in its pipeline extra; set SNAKEMAKE_VERSION"
 
 # The Python packages of the H200's image. A carried copy of one of these would shadow the image's own
 # build on PYTHONPATH, so none is carried (a newer image list goes here).
@@ -107,22 +131,31 @@ tiktoken==0.14.0"
 platforms=()
 for ((n = glibc_minor; n >= 17; n--)); do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
 platforms+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
-target=(--python-version 3.12 --implementation cp "${platforms[@]}" --only-binary=:all:)
-
 out=${out%/}
 tmp="$out.tmp"
 rm -rf "$tmp"
-mkdir -p "$tmp/wheels"
+mkdir -p "$tmp/wheels" "$tmp/built"
 trap 'rm -rf "$tmp"' EXIT
 printf '%s\n' "$IMAGE_CONSTRAINTS" >"$tmp/constraints.txt"
+target=(--python-version 3.12 --implementation cp "${platforms[@]}" --only-binary=:all: --find-links "$tmp/built")
 
-echo "engine_wheels: resolving vllm==$vllm_version for CPython 3.12 manylinux x86-64 (pip runs on $python)"
+for name in $PURE_SDISTS; do
+  "$python" -m pip wheel --no-deps --quiet -w "$tmp/built" "$name" 2> >(grep -v '^WARNING: Location' >&2) ||
+    die "could not build a wheel of $name"
+done
+for wheel in "$tmp"/built/*.whl; do
+  [ -e "$wheel" ] || continue
+  [[ $wheel == *-py3-none-any.whl ]] || die "$(basename "$wheel") is not pure Python: it would not run on the H200"
+done
+
+echo "engine_wheels: resolving vllm==$vllm_version and snakemake==$snakemake_version for CPython 3.12 manylinux" \
+  "x86-64 (pip runs on $python)"
 "$python" -m pip install --dry-run --ignore-installed --quiet --target "$tmp/never" --report "$tmp/report.json" \
-  "${target[@]}" -c "$tmp/constraints.txt" "vllm==$vllm_version" 2> >(grep -v '^WARNING: Location' >&2) ||
-  die "pip could not resolve vllm==$vllm_version"
+  "${target[@]}" -c "$tmp/constraints.txt" "vllm==$vllm_version" "snakemake==$snakemake_version" \
+  2> >(grep -v '^WARNING: Location' >&2) || die "pip could not resolve vllm==$vllm_version snakemake==$snakemake_version"
 
 # The resolved set, less the image's packages: one name==version line each, and the report's hashes.
-IMAGE_PACKAGES="$IMAGE_PACKAGES $LAZY_KERNELS ${ENGINE_SKIP:-}" "$python" - "$tmp" <<'EOF'
+IMAGE_PACKAGES="$IMAGE_PACKAGES $LAZY_KERNELS $UNUSED_BY_SNAKEMAKE ${ENGINE_SKIP:-}" "$python" - "$tmp" <<'EOF'
 import json, os, re, sys
 tmp = sys.argv[1]
 norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()

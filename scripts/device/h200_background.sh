@@ -1,77 +1,184 @@
 #!/usr/bin/env bash
-# Runs h200_cells.sh longer than one device call allows: in its own session on the H200, followed by short calls.
+# The workflow on an H200 for longer than one device call: Snakemake, piece by piece, in its own session.
 #
 # A device call lasts at most 10 minutes and the machine keeps its disk only while calls follow each other within
 # about 30 s. So one call starts the runs in the background and returns, and each later call follows them for a
-# while and brings back what is there so far: the progress log, the raw files packed afresh, the step file once a
-# run has written it. A piece cut short by the lease's end costs only itself; the raw files of every finished piece
-# are in each call's $OUT.
+# while and brings back what is there so far: the progress log, Snakemake's output, the raw files packed afresh, the
+# step files once made, Triton's compile cache. A piece cut short by the lease's end costs only itself; every
+# finished piece's raw files are in each call's $OUT.
+#
+# Runs ON the H200, from the repository root, after scripts/device/engine_install.sh installed the carried vLLM and
+# Snakemake (docs/gpu.md). Every run is `snakemake --workflow-profile profiles/h200 --configfile STUDY TARGET`;
+# the rules do the work, so any single-GPU machine with a package index runs the same commands without this script.
 #
 # Usage, from the repository root on the H200:
-#   bash scripts/device/h200_background.sh start LAST_START_S -- "CELLS ARGS" ["CELLS ARGS" ...]
-#       runs `h200_cells.sh CELLS ARGS` for each quoted group in turn, with the same $WMTP_REVISION; no piece of any
-#       group starts later than LAST_START_S seconds after this call (each group's --budget-s is what is left;
-#       a group with nothing left only collects)
+#   bash scripts/device/h200_background.sh start LAST_START_S STUDY ["PIECES ARGS" ...]
+#       the pieces `wmtp pieces --config STUDY PIECES ARGS` names (each quoted group in turn; none: every piece the
+#       study lists), in that order, one Snakemake run each; a piece that is there is passed over, and none starts
+#       later than LAST_START_S seconds after this call; a failed piece stops the runs. Then, where every piece the
+#       study lists is there, its step files (results/<study>/steps/), which start no server
+#   bash scripts/device/h200_background.sh plan STUDY ["PIECES ARGS" ...]
+#       what start would run: snakemake -n over the same pieces, in the foreground
 #   bash scripts/device/h200_background.sh follow WAIT_S
 #       waits until the runs are over or WAIT_S seconds have passed, then copies their state into $OUT
-# Exit status of follow: 0 once every group has ended, 3 while they still run.
+# Exit status of follow: 0 once the runs have ended, 3 while they still run.
+#
+# Compile caches: .gpu-inputs/compile-cache.tar.gz, when carried in, is unpacked into the engine's cache
+# (results/engines/vllm/cache, or $ENGINE_CACHE) before the first server starts: Triton's kernels, the largest part of
+# a cold start's minutes. follow packs Triton's part back when it fits what comes back.
 set -uo pipefail
 
 state=/tmp/wmtp-background
-cells_out=$state/out
-raw_root=results/h200-vllm/raw
+site=/tmp/wmtp-engine/site
+cache=${ENGINE_CACHE:-results/engines/vllm/cache}
+carried_cache=.gpu-inputs/compile-cache.tar.gz
+cache_limit=$((15 * 1024 * 1024)) # what one file back from the H200 may weigh, with room
+py=python3
 
 die() { echo "h200_background: ERROR: $*" >&2; exit 1; }
+say() { echo "h200_background: $(date -u +%H:%M:%S) $*" | tee -a "$state/progress.log"; }
+
+workflow_env() {
+  [ -d "$site" ] || die "no engine at $site: run scripts/device/engine_install.sh first (its last part with --install)"
+  export PYTHONPATH="$PWD/src:$site" PYTHONUNBUFFERED=1
+  # NVLink multicast is off on these machines.
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  # Triton's kernels beside vLLM's compile cache, which the cells keep in the engine's folder: a second server of
+  # the shape starts without the first one's minutes of JIT while the machine stays up.
+  export TRITON_CACHE_DIR=$PWD/$cache/triton
+}
+
+snakemake_run() { # snakemake_run STUDY [OPTION ...] -- TARGET ...: the workflow, as any single-GPU machine runs it
+  local study=$1
+  shift
+  # --configfile takes every word up to the next option: the targets come after "--".
+  "$py" -m snakemake --workflow-profile profiles/h200 --configfile "$study" "$@"
+}
+
+targets() { # targets STUDY ["PIECES ARGS" ...]: the pieces' target paths, in order, each once
+  local study=$1 group args
+  shift
+  [ $# -gt 0 ] || set -- ""
+  for group in "$@"; do
+    read -ra args <<<"$group"
+    "$py" -m wmtp pieces --config "$study" "${args[@]}" || die "wmtp pieces --config $study $group failed (above)"
+  done | awk '!seen[$0]++'
+}
 
 start() {
-  local last_start=$1
-  shift
-  [ "${1:-}" = "--" ] && shift
-  [ $# -gt 0 ] || die "name at least one group of h200_cells.sh arguments"
+  local last_start=$1 study=$2
+  shift 2
   [ -f "$state/pid" ] && kill -0 "$(cat "$state/pid")" 2>/dev/null && die "runs already under way (pid $(cat "$state/pid"))"
   rm -rf "$state"
-  mkdir -p "$cells_out"
+  mkdir -p "$state"
+  workflow_env
+  bash scripts/device/engine_install.sh --wmtp | tee -a "$state/progress.log" || die "wmtp is not beside the engine"
+  targets "$study" "$@" >"$state/targets" || exit 1
+  [ -s "$state/targets" ] || die "no piece to run"
+  if [ -f "$carried_cache" ] && [ ! -d "$cache" ]; then
+    if mkdir -p "$cache" && tar xzf "$carried_cache" -C "$cache"; then
+      say "compile caches from $carried_cache: $(du -sh "$cache" | cut -f1)"
+    else
+      rm -rf "$cache"
+      say "could not unpack $carried_cache; the servers compile from scratch"
+    fi
+  fi
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader >>"$state/progress.log"
+  fi
   # A copy: the next call's fresh working tree must not change the script under a running bash.
-  cp scripts/device/h200_cells.sh "$state/cells.sh"
-  printf '%s\n' "$@" >"$state/groups"
+  cp "$0" "$state/background.sh"
   pwd >"$state/root"
   local deadline=$(($(date +%s) + last_start))
-  setsid nohup bash -c '
-    state=$1 deadline=$2
-    while IFS= read -r group; do
-      left=$((deadline - $(date +%s)))
-      # h200_cells.sh reads --budget-s 0 as no limit, and --pieces 0 as collect only.
-      if [ "$left" -gt 0 ]; then limits="--budget-s $left"; else limits="--pieces 0"; fi
-      echo "group: $group $limits" >>"$state/groups.log"
-      eval "OUT=$state/out bash $state/cells.sh $group $limits" >>"$state/cells.log" 2>&1
-      echo "exit $? for: $group" >>"$state/groups.log"
-    done <"$state/groups"
-    touch "$state/done"
-  ' background "$state" "$deadline" </dev/null >/dev/null 2>&1 &
+  say "starting $(wc -l <"$state/targets") piece(s) of $study; none starts after $(date -u -d "@$deadline" +%H:%M:%S)"
+  setsid nohup bash "$state/background.sh" _run "$deadline" "$study" </dev/null >>"$state/snakemake.log" 2>&1 &
   echo $! >"$state/pid"
-  echo "h200_background: started pid $(cat "$state/pid"); no piece starts after $(date -u -d "@$deadline" +%H:%M:%S)"
+}
+
+run_pieces() { # in the background: each piece in turn, then the step files where every listed piece is there
+  local deadline=$1 study=$2 target started missing=0
+  workflow_env
+  while IFS= read -r target; do
+    # Snakemake would find it there too; passing it over here spares a start of Snakemake.
+    if [ -f "$target" ]; then
+      say "there: $target"
+      continue
+    fi
+    if [ "$(date +%s)" -ge "$deadline" ]; then
+      say "past the last start: not starting $target (and any after it)"
+      break
+    fi
+    say "piece: $target"
+    started=$SECONDS
+    if snakemake_run "$study" -- "$target"; then
+      say "done in $((SECONDS - started)) s: $target"
+    else
+      say "FAILED after $((SECONDS - started)) s: $target (snakemake.log has its log; raw.tar.gz its failure.json)"
+      break
+    fi
+  done <"$state/targets"
+  while IFS= read -r target; do
+    [ -f "$target" ] || missing=$((missing + 1))
+  done < <("$py" -m wmtp pieces --config "$study")
+  if [ "$missing" -eq 0 ]; then
+    mapfile -t steps < <("$py" -m wmtp pieces --config "$study" --step-files)
+    if snakemake_run "$study" -- "${steps[@]}"; then say "step files: ${steps[*]}"; else say "FAILED: the step files"; fi
+  else
+    say "$missing piece(s) the study lists are not there yet: no step file"
+  fi
+  touch "$state/done"
+}
+
+plan() {
+  local study=$1
+  shift
+  workflow_env
+  mapfile -t pieces < <(targets "$study" "$@")
+  [ ${#pieces[@]} -gt 0 ] || die "no piece to run"
+  snakemake_run "$study" -n -- "${pieces[@]}"
 }
 
 follow() {
-  local wait_s=$1 waited=0
+  local wait_s=$1 waited=0 size
   [ -n "${OUT:-}" ] || die "set OUT to the folder that comes back"
   [ -d "$state" ] || die "nothing was started on this machine (its disk was reset if the last call was > 30 s ago)"
   while [ ! -f "$state/done" ] && [ "$waited" -lt "$wait_s" ]; do
     sleep 5
     waited=$((waited + 5))
   done
-  cp "$state"/groups.log "$state"/cells.log "$OUT"/ 2>/dev/null
-  cp "$cells_out"/*.csv "$cells_out"/progress.log "$cells_out"/failure.json "$OUT"/ 2>/dev/null
+  cp "$state"/progress.log "$state"/targets "$OUT"/ 2>/dev/null
+  tail -c 2000000 "$state/snakemake.log" >"$OUT/snakemake.log" 2>/dev/null
   # The runs write where they started, which need not be this call's copy of the tree.
-  (cd "$(cat "$state/root")" && [ -d "$raw_root" ] && tar czf "$OUT/raw.tar.gz" "$raw_root")
+  (
+    cd "$(cat "$state/root")" || exit 1
+    mapfile -t raw < <(find results -mindepth 2 -maxdepth 2 -name raw -type d 2>/dev/null | sort)
+    [ ${#raw[@]} -eq 0 ] || tar czf "$OUT/raw.tar.gz" "${raw[@]}"
+    for steps in results/*/steps/*.csv; do
+      [ -f "$steps" ] || continue
+      mkdir -p "$OUT/steps/$(basename "$(dirname "$(dirname "$steps")")")"
+      cp "$steps" "$OUT/steps/$(basename "$(dirname "$(dirname "$steps")")")/"
+    done
+    # Triton's kernels alone come back (the GDN kernels' JIT is the longest part of a cold start); vLLM's
+    # torch.compile artefacts, hundreds of MiB over the pieces, stay on the machine.
+    if [ -d "$cache/triton" ]; then
+      tar czf "$OUT/compile-cache.tar.gz" -C "$cache" triton 2>/dev/null || rm -f "$OUT/compile-cache.tar.gz"
+      size=$(stat -c %s "$OUT/compile-cache.tar.gz" 2>/dev/null || echo 0)
+      if [ "$size" -gt "$cache_limit" ]; then
+        echo "Triton's cache is $((size / 1048576)) MiB packed, more than comes back; left on the machine" >>"$OUT/progress.log"
+        rm -f "$OUT/compile-cache.tar.gz"
+      fi
+    fi
+  )
   echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/load.txt"
-  tail -n 8 "$cells_out/progress.log" 2>/dev/null
-  [ -f "$state/done" ] && { cat "$state/groups.log"; return 0; }
+  tail -n 8 "$state/progress.log" 2>/dev/null
+  [ -f "$state/done" ] && return 0
   return 3
 }
 
 case ${1:-} in
-  start) shift; [ $# -ge 2 ] || die "usage: start LAST_START_S -- \"CELLS ARGS\" ..."; start "$@" ;;
+  start) shift; [ $# -ge 2 ] || die "usage: start LAST_START_S STUDY [\"PIECES ARGS\" ...]"; start "$@" ;;
+  plan) shift; [ $# -ge 1 ] || die "usage: plan STUDY [\"PIECES ARGS\" ...]"; plan "$@" ;;
   follow) [ $# -eq 2 ] || die "usage: follow WAIT_S"; follow "$2" ;;
-  *) sed -n '2,17p' "$0"; exit 2 ;;
+  _run) shift; run_pieces "$@" ;;
+  *) sed -n '2,28p' "$0"; exit 2 ;;
 esac

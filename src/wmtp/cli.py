@@ -114,16 +114,45 @@ def cmd_iteration_statistic(args: argparse.Namespace) -> int:
 def cmd_step_table(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from wmtp.analyze.steps import step_table
+    from wmtp.analyze.steps import MixedReleases, engine_release, step_table
 
+    try:
+        version = args.engine_version or engine_release(json.loads(m.read_text()) for m in args.manifests)
+    except MixedReleases as err:
+        logging.getLogger("wmtp").error("step-table: %s", err)
+        return 2
     tables: dict[str, list[pd.DataFrame]] = {name: [] for name in ("requests", "rungs")}
-    for folder in args.tidy:  # a study's tidy folder, or one per rung of a study run rung by rung
+    for folder in args.tidy:  # a study's tidy folder, or one per group of pieces
         for name, frames in tables.items():
-            frames.append(pd.read_parquet(folder / f"{name}.parquet"))
+            frame = pd.read_parquet(folder / f"{name}.parquet")
+            for column in ("model", "engine"):
+                if getattr(args, column):
+                    frame = frame[frame[column] == getattr(args, column)]
+            frames.append(frame)
     requests, rungs = (pd.concat(frames, ignore_index=True) for frames in tables.values())
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    step_table(requests, rungs, args.engine_version, workload=args.workload).to_csv(args.out, index=False)
+    step_table(requests, rungs, version, workload=args.workload).to_csv(args.out, index=False)
     logging.getLogger("wmtp").info("wrote %s", args.out)
+    return 0
+
+
+def cmd_pieces(args: argparse.Namespace) -> int:
+    from wmtp.config import expand_pieces, select_pieces
+
+    study = _study(args)
+    results = layout.study_dir(study.results_dir, study.study)
+    pieces = expand_pieces(study)
+    if not pieces:
+        raise ConfigError(f"study {study.study!r} declares no pieces (its key `pieces`)")
+    if args.step_files:
+        for model, engine in sorted({(p.cell.model, p.cell.engine) for p in pieces}):
+            print(layout.step_file(results, model, engine))
+        return 0
+    chosen = select_pieces(pieces, args.arms, args.k, args.windows, args.servers, args.rungs)
+    if not chosen:
+        raise ConfigError(f"no piece of study {study.study!r} is picked by this selection")
+    for piece in chosen:
+        print(layout.piece_dir(results, piece.group, piece.cell.cell_id) / layout.MANIFEST_FILE)
     return 0
 
 
@@ -265,9 +294,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rungs", type=int, nargs="*", help="only these of the protocol's rungs (one server lifetime)")
     p.set_defaults(func=cmd_cell_study)
 
+    p = with_config(
+        sub.add_parser("pieces", help="the target paths of a study's pieces (or its step files), in the order to run")
+    )
+    p.add_argument("--arms", nargs="+", default=[], help="only these arms, each server's pieces in this order")
+    p.add_argument("--k", type=int, nargs="+", default=[], help="of the drafting arms' pieces, only these k")
+    p.add_argument("--windows", type=int, nargs="+", default=[], help="of the windowed arms' pieces, only these W")
+    p.add_argument("--servers", type=int, nargs="+", default=[], help="only these of each configuration's servers")
+    p.add_argument("--rungs", type=int, nargs="+", default=[], help="only the pieces over exactly these rungs")
+    p.add_argument("--step-files", action="store_true", help="print the step files the pieces make instead")
+    p.set_defaults(func=cmd_pieces)
+
     p = sub.add_parser("step-table", help="tidy tables → the decode cycle per (arm, k, S, W, context, batch), CSV")
     p.add_argument("--tidy", type=Path, nargs="+", required=True, help="folders holding requests/rungs.parquet")
-    p.add_argument("--engine-version", required=True, help="the engine release the cells ran, e.g. 0.24.0")
+    release = p.add_mutually_exclusive_group(required=True)
+    release.add_argument("--engine-version", help="the engine release the cells ran, e.g. 0.24.0")
+    release.add_argument(
+        "--manifests", type=Path, nargs="+", help="the cells' manifest.json, which name the engine release they ran"
+    )
+    p.add_argument("--model", help="only this model's cells")
+    p.add_argument("--engine", help="only the cells of the engine of this name")
     p.add_argument("--workload", default="code")
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_step_table)

@@ -14,7 +14,8 @@ import ipaddress
 import json
 import logging
 import sysconfig
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -33,7 +34,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from wmtp.layout import NAME_PATTERN, REPO_ROOT, CellIdError, CellKey, format_cell_id, parse_cell_id
+from wmtp.layout import NAME_PATTERN, REPO_ROOT, CellIdError, CellKey, format_cell_id, parse_cell_id, piece_group
 
 Arm = Literal["none", "mtp", "wmtp", "wmtp-ring"]
 ARMS: tuple[str, ...] = get_args(Arm)
@@ -291,8 +292,25 @@ class ReplicaSettings(_Strict):
     label: str = "h200"
     # Tidy this folder of replica_*.csv (e.g. measurements/h200) instead of running the sweep.
     raw: str | None = None
+    # A real engine's step files (wmtp step-table's CSV, e.g. measurements/h200/vllm_qwen3.6-35b-a3b.csv), which the
+    # report sets beside the replica's step: inputs of the report, named here rather than found on disk.
+    engine_steps: Annotated[list[str], Unique] = Field(default_factory=list)
     # bytes/s for the prediction; None: the copy bandwidth measured in the same run.
     bandwidth: Annotated[float, Field(gt=0)] | None = None
+
+
+class PieceSpec(_Strict):
+    """Cells measured in pieces: every cell the selectors pick, each in one server lifetime over ``rungs``.
+
+    An empty selector picks every cell; ``k`` picks among the drafting arms' cells and ``windows`` among the windowed
+    arms' (a cell without a draft or a window passes them), ``servers`` by the cell's server (1 where there is one).
+    """
+
+    rungs: Annotated[list[Positive], Field(min_length=1), Unique]
+    arms: Annotated[list[Arm], Unique] = Field(default_factory=list)
+    k: Annotated[list[Count], Unique] = Field(default_factory=list)
+    windows: Annotated[list[Count], Unique] = Field(default_factory=list)
+    servers: Annotated[list[Count], Unique] = Field(default_factory=list)
 
 
 class Study(_Strict):
@@ -306,6 +324,17 @@ class Study(_Strict):
     models: Annotated[list[ModelSpec], Field(min_length=1)]
     arms: Annotated[list[ArmSpec], Field(min_length=1)]
     protocol: ProtocolSpec
+    # Where a cell over every rung outlasts what a machine is held for: the study is measured as these pieces
+    # (expand_pieces), its step files made of them, instead of whole cells.
+    pieces: list[PieceSpec] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Left out while empty, so that a study measured in whole cells reads as it did.
+        data = handler(self)
+        if not data.get("pieces"):
+            data.pop("pieces", None)
+        return data
 
     @model_validator(mode="after")
     def _refusals(self, info: ValidationInfo) -> Study:
@@ -325,6 +354,7 @@ class Study(_Strict):
         _check_binds(self.engines, self.models)
         _check_arm_flags(self.engines, self.models)
         _check_positions(self.models, self.engines, base_dir)
+        _check_pieces(self)
         return self
 
     def engine(self, name: str) -> EngineSpec:
@@ -432,6 +462,76 @@ def _configurations(study: Study, server: int | None) -> Iterator[Cell]:
                                     concurrency=concurrency,
                                     server=server,
                                 )
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One server lifetime of a cell over some of its study's rungs (longest first)."""
+
+    cell: Cell
+    rungs: tuple[int, ...]
+
+    @property
+    def group(self) -> str:
+        return piece_group(self.rungs)
+
+
+def cell_selected(
+    cell: CellKey,
+    arms: Iterable[str] = (),
+    ks: Iterable[int] = (),
+    windows: Iterable[int] = (),
+    servers: Iterable[int] = (),
+) -> bool:
+    """Whether the selectors pick this cell; an empty selector picks every cell, and ``ks`` and ``windows`` pass a
+    cell whose arm has no draft or no window."""
+    arms, ks, windows, servers = set(arms), set(ks), set(windows), set(servers)
+    return (
+        (not arms or cell.arm in arms)
+        and (not ks or cell.arm not in DRAFTING_ARMS or cell.k in ks)
+        and (not windows or cell.arm not in WINDOWED_ARMS or cell.window in windows)
+        and (not servers or (cell.server or 1) in servers)
+    )
+
+
+def expand_pieces(study: Study) -> list[Piece]:
+    """The study's pieces: each entry of ``pieces`` over the cells it picks, in the order the study lists them."""
+    cells = study.cells()
+    return [
+        Piece(cell, tuple(sorted(entry.rungs, reverse=True)))
+        for entry in study.pieces
+        for cell in cells
+        if cell_selected(cell, entry.arms, entry.k, entry.windows, entry.servers)
+    ]
+
+
+def select_pieces(
+    pieces: Sequence[Piece],
+    arms: Sequence[str] = (),
+    ks: Iterable[int] = (),
+    windows: Iterable[int] = (),
+    servers: Iterable[int] = (),
+    rungs: Iterable[int] = (),
+) -> list[Piece]:
+    """The pieces the selectors pick (``rungs``: the pieces over exactly these rungs), in the order to run them.
+
+    Longest rung first, so that a machine's first minutes go to the longest pieces; then server by server, and
+    within a server in the order ``arms`` names the arms (else as listed), so that the arms interleave in time and a
+    drift of the machine is not read as a difference between them.
+    """
+    group = piece_group(list(rungs)) if rungs else None
+    chosen = [
+        (i, p)
+        for i, p in enumerate(pieces)
+        if cell_selected(p.cell, arms, ks, windows, servers) and (group is None or p.group == group)
+    ]
+    arm_rank = {arm: rank for rank, arm in enumerate(arms)}
+
+    def order(item: tuple[int, Piece]) -> tuple:
+        i, piece = item
+        return (-piece.rungs[0], piece.cell.server or 1, arm_rank.get(piece.cell.arm, len(arm_rank)), i)
+
+    return [piece for _, piece in sorted(chosen, key=order)]
 
 
 def _path_of(loc: Sequence[Any]) -> str:
@@ -718,6 +818,41 @@ def _check_ring(arms: list[ArmSpec], engines: list[EngineSpec], models: list[Mod
                     "and vLLM caches prefixes unless told not to; add --no-enable-prefix-caching to the engine's "
                     "serve_args"
                 )
+
+
+def _check_pieces(study: Study) -> None:
+    """Each entry of ``pieces`` sweeps the protocol's rungs and picks cells of the study, and no piece is listed twice
+    (it would be measured once and read as two)."""
+    cells = study.cells()
+    rungs = study.protocol.rungs
+    seen: dict[tuple[str, tuple[int, ...]], int] = {}
+    for i, entry in enumerate(study.pieces):
+        where = f"config: pieces[{i}]"
+        for j, rung in enumerate(entry.rungs):
+            if rung not in rungs:
+                raise ConfigError(
+                    f"{where}.rungs[{j}] = {rung} is not one of protocol.rungs ({', '.join(map(str, rungs))})"
+                )
+        for key, values, picks in (
+            ("arms", entry.arms, lambda cell, v: cell.arm == v),
+            ("k", entry.k, lambda cell, v: cell.arm in DRAFTING_ARMS and cell.k == v),
+            ("windows", entry.windows, lambda cell, v: cell.arm in WINDOWED_ARMS and cell.window == v),
+            ("servers", entry.servers, lambda cell, v: (cell.server or 1) == v),
+        ):
+            for j, value in enumerate(values):
+                if not any(picks(cell, value) for cell in cells):
+                    raise ConfigError(f"{where}.{key}[{j}] = {value!r} picks no cell of the study")
+        picked = [c for c in cells if cell_selected(c, entry.arms, entry.k, entry.windows, entry.servers)]
+        if not picked:
+            raise ConfigError(f"{where} picks no cell of the study (its selectors exclude each other)")
+        for cell in picked:
+            key = (cell.cell_id, tuple(sorted(entry.rungs)))
+            if key in seen:
+                raise ConfigError(
+                    f"{where} repeats pieces[{seen[key]}]'s piece of {cell.cell_id} over "
+                    f"{', '.join(map(str, sorted(entry.rungs, reverse=True)))}"
+                )
+            seen[key] = i
 
 
 def _flag_value(args: Sequence[str], flag: str) -> str | None:

@@ -6,7 +6,10 @@ or the cell id format changes here or nowhere. The tree of one study::
     <results_dir>/<study>/
         study.json                  the validated study, as the ``wmtp`` command reads it
         raw/<cell id>/              one cell: RAW_SUCCESS_FILES, or FAILURE_FILE (+ SERVER_FAILED_LOG)
+        raw/<group>/<cell id>/      one piece of a cell (a study that declares pieces): the same files
         tidy/<table>.parquet        TIDY_TABLES, derived from every complete cell
+        tidy/<group>/<table>.parquet  the same tables of one group of pieces
+        steps/<model>~<engine>.csv  the step file of the pieces of one model on one engine
         derived/<table>.parquet     DERIVED_TABLES: the paired comparisons and the excluded requests
         report/index.html           the rendered report
         logs/                       one log per job
@@ -17,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +212,56 @@ def damage_digest(cell: Path, damaged: dict[str, str]) -> str:
 def damage_record(results: Path, cell_id: str, digest: str) -> Path:
     """The record that a damaged cell's files were set aside (a log: raw files are never rewritten)."""
     return results / LOGS_DIR / DAMAGED_DIR / cell_id / f"{digest}.json"
+
+
+# A piece: one server lifetime of a cell over some of its study's rungs, for a machine held minutes at a time, on
+# which a cell over every rung (a 1M-token prefill takes minutes) does not fit. Its group names its rungs, longest
+# first: ``rung~R`` for one, ``rungs~R1-R2-…`` for several. A piece's protocol holds its rungs, so pieces of
+# different groups are never collected together.
+PIECE_GROUP_PATTERN = r"rung~\d+|rungs~\d+(?:-\d+)+"
+_PIECE_GROUP = re.compile(PIECE_GROUP_PATTERN)
+STEPS_DIR = "steps"
+
+
+def piece_group(rungs: Sequence[int]) -> str:
+    """The group of the pieces over these rungs: the same rungs in any order, the same group."""
+    ordered = sorted(set(rungs), reverse=True)
+    if not ordered or len(ordered) != len(rungs) or any(r <= 0 for r in ordered):
+        raise ValueError(f"a piece sweeps distinct positive rungs (got {list(rungs)})")
+    if len(ordered) == 1:
+        return f"rung~{ordered[0]}"
+    return "rungs~" + "-".join(map(str, ordered))
+
+
+def piece_rungs(group: str) -> tuple[int, ...]:
+    """The inverse of :func:`piece_group`, longest rung first; refuses a group it would not have written."""
+    if not _PIECE_GROUP.fullmatch(group):
+        raise ValueError(f"piece group {group!r} is not of the form {PIECE_GROUP_PATTERN}")
+    rungs = tuple(int(r) for r in group.partition("~")[2].split("-"))
+    if piece_group(rungs) != group:
+        raise ValueError(f"piece group {group!r} should name its rungs once each, longest first: {piece_group(rungs)}")
+    return rungs
+
+
+def piece_dir(results: Path, group: str, cell_id: str) -> Path:
+    return results / RAW_DIR / group / cell_id
+
+
+def piece_log(results: Path, group: str, cell_id: str) -> Path:
+    return results / LOGS_DIR / CELL_LOGS_DIR / group / f"{cell_id}.log"
+
+
+def piece_tidy_dir(results: Path, group: str) -> Path:
+    return tidy_dir(results) / group
+
+
+def piece_tidy_files(results: Path, group: str) -> list[Path]:
+    return [piece_tidy_dir(results, group) / f"{name}.parquet" for name in TIDY_TABLES]
+
+
+def step_file(results: Path, model: str, engine: str) -> Path:
+    """The decode cycle per shape of one model's pieces on one engine (``wmtp step-table``)."""
+    return results / STEPS_DIR / f"{model}~{engine}.csv"
 
 
 def admission_file(results: Path, model: str, engine: str) -> Path:

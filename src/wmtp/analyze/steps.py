@@ -16,6 +16,8 @@ engine, so ``tokens_per_chunk`` says how far they were from one step each.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import pandas as pd
 
@@ -285,6 +287,27 @@ def _add_growth(table: pd.DataFrame) -> None:
             if measured and peak:
                 # The floors are bytes at the measured bandwidth: their difference at the peak instead.
                 table.loc[index, "growth_floor_ms"] = (longer["floor_ms"] - shorter["floor_ms"]) * measured / peak
+
+
+class MixedReleases(ValueError):
+    """Cells of one step file that ran different releases of their engine."""
+
+
+def engine_release(manifests: Iterable[Mapping[str, Any]]) -> str:
+    """The one release of the engine the cells ran, as each manifest records it (``engine.versions[<kind>]``).
+
+    A step file's rows are one release's cycles: cells of two releases are refused, and a cell that recorded none
+    reads as "?", which no other cell's release matches.
+    """
+    found = set()
+    for manifest in manifests:
+        engine = manifest.get("engine") or {}
+        found.add(str((engine.get("versions") or {}).get(engine.get("kind") or "", "?")))
+    if len(found) != 1:
+        raise MixedReleases(
+            f"the cells ran {len(found)} releases of their engine: {', '.join(sorted(found)) or 'none'}"
+        )
+    return found.pop()
 
 
 def step_table(

@@ -33,6 +33,7 @@ from wmtp.config import (
     WINDOWED_ARMS,
     Cell,
     ConfigError,
+    Piece,
     Study,
     architecture_file,
 )
@@ -145,7 +146,9 @@ def cell_study(study: Study, cell: Cell) -> dict[str, Any]:
         arms=[arm],
         protocol={**raw["protocol"], "concurrency": [cell.concurrency]},
     )
+    # Neither is part of what a cell measures: naming another piece, or another step file, reruns no cell.
     raw.pop("replica", None)
+    raw.pop("pieces", None)
     return raw
 
 
@@ -165,3 +168,15 @@ def narrow_rungs(raw: dict[str, Any], rungs: Sequence[int]) -> dict[str, Any]:
         raise ConfigError(f"config: protocol.rungs has no rung {unknown or rungs} to narrow to (its rungs: {known})")
     chosen = [r for r in protocol["rungs"] if r in rungs]
     return {**raw, "protocol": {**protocol, "rungs": chosen, "repeats": [by_rung[r] for r in chosen]}}
+
+
+def piece_study(study: Study, piece: Piece) -> dict[str, Any]:
+    """The study a piece's job is handed: its cell's (:func:`cell_study`), sweeping the piece's rungs alone."""
+    return narrow_rungs(cell_study(study, piece.cell), piece.rungs)
+
+
+def piece_identity(study: Study, piece: Piece, base_dir: Path | str = ".") -> dict[str, Any]:
+    """What a piece measures, as its manifest records it: its cell's identity under its narrowed study."""
+    # Validated without study_from_dict's warnings: the study they would repeat was validated (and warned of) whole.
+    narrowed = Study.model_validate(piece_study(study, piece), context={"base_dir": Path(base_dir)})
+    return cell_identity(narrowed, piece.cell, base_dir=base_dir)

@@ -16,7 +16,8 @@ Arms (facts from the sglang 0.5.21 wheel's ``arg_groups/fields/spec.py`` and ``s
   Triton and FlashInfer *draft* attention backends honour it — others (fa3; trtllm_mha, which 0.5.21
   picks by itself for Nemotron-H drafts on Blackwell) silently read the full context — so every drafting
   arm gets ``--speculative-draft-attention-backend`` (FlashInfer unless the study's serve_args choose
-  Triton): the same draft backend in ``mtp`` and ``wmtp``, so the arms differ only in the window.
+  Triton): by default the same draft backend in ``mtp`` and ``wmtp``, so the arms differ only in the
+  window; a study that gives an arm its own backend (the arm's ``serve_args``) says so beside it.
 * ``wmtp-ring`` — ours, not upstream's: not built for SGLang yet (``RingNotBuilt``).
 
 Counters: SGLang's Prometheus spec metrics are gauges (acceptance length/rate), which cannot be
@@ -100,7 +101,7 @@ def speculative_args(
     owned = [flag for flag in ARM_FLAGS if _has_flag(extra_args, flag)]
     if owned:
         raise SGLangError(
-            f"engine/model serve_args set {', '.join(owned)}, which the arm sets; remove them "
+            f"engine/model/arm serve_args set {', '.join(owned)}, which the arm sets; remove them "
             "(the arm, k, sink and window of a cell decide them)"
         )
     if arm == "none":
@@ -132,7 +133,7 @@ def speculative_args(
         if backend not in WINDOW_BACKENDS:
             raise SGLangError(
                 f"arm 'wmtp': draft attention backend {backend!r} ignores the draft window; set "
-                f"{DRAFT_BACKEND_FLAG} to one of {', '.join(WINDOW_BACKENDS)} in the engine's "
+                f"{DRAFT_BACKEND_FLAG} to one of {', '.join(WINDOW_BACKENDS)} in the engine's or the arm's "
                 "serve_args (or leave it out for FlashInfer)"
             )
         if window is None or window < 1:
@@ -146,7 +147,7 @@ def speculative_args(
 def serve_argv(request: ServeRequest) -> list[str]:
     """The server command as a list (never a shell string)."""
     r = request
-    extra = list(r.engine_args) + list(r.model_args)
+    extra = [*r.engine_args, *r.model_args, *r.arm_args]
     argv = [
         r.python,
         "-m",
@@ -185,7 +186,7 @@ def read_counters(base_url: str) -> dict[str, float]:
 def check_cell(spec: Any, engine_manifest: Mapping[str, Any], cell: Any, extra_args: Sequence[str] = ()) -> None:
     """Refuse, before a server starts, a cell this engine cannot run; the message says what to change.
 
-    ``extra_args`` are the engine's and the model's serve_args, as ``serve_argv`` gets them.
+    ``extra_args`` are the engine's, the model's and the arm's serve_args, as ``serve_argv`` gets them.
     """
     if getattr(spec, "device", "cuda") != "cuda":
         raise SGLangError(
@@ -208,7 +209,7 @@ def check_cell(spec: Any, engine_manifest: Mapping[str, Any], cell: Any, extra_a
             raise SGLangError(
                 f"engine {spec.name!r}: in sglang {versions.get('sglang', '?')} the {backend!r} draft "
                 f"backend does not apply the draft window (only {honouring or 'none'} do); set "
-                f"{DRAFT_BACKEND_FLAG} accordingly in the engine's serve_args"
+                f"{DRAFT_BACKEND_FLAG} accordingly in the engine's or the arm's serve_args"
             )
 
 

@@ -215,6 +215,26 @@ def test_native_generate_meta_info_and_the_older_histogram_name():
     }
 
 
+def test_an_answer_that_ends_at_its_first_token_has_no_verify_cycle_and_still_counts():
+    # QA mode honours EOS: an answer can end with the prefill's token, before any verify cycle.
+    details = {"spec_verify_ct": 0, "spec_num_correct_drafts": 0, "spec_correct_drafts_histogram": []}
+    short = {"rung": 64, "completion_tokens": 1, **sglang.request_fields({"sglext": {"spec_tokens_details": details}})}
+    assert short["spec_verify_ct"] == 0 and short["spec_correct_drafts"] == 0
+    full = {
+        "rung": 64,
+        "completion_tokens": 9,
+        "spec_verify_ct": 3,
+        "spec_correct_drafts": 5,
+        "spec_accept_histogram": [0, 2, 0, 1],
+    }
+    c = sglang.counters_from_requests([short, full], "mtp", 3)
+    assert c["drafts"] == 3 and c["accepted"] == 10 - 3 and c["correct_drafts"] == 5
+    assert [c[f"accepted_pos_{p}"] for p in range(3)] == [3, 1, 1]
+    # A drafting response that carries no count at all is still refused.
+    with pytest.raises(sglang.SGLangError, match="1 of 2 responses carry no spec_verify_ct"):
+        sglang.counters_from_requests([full, {"rung": 64, "completion_tokens": 9}], "mtp", 3)
+
+
 def test_rung_counters_give_design_tok_per_verify():
     rows = [
         {

@@ -32,7 +32,8 @@ reads, chosen so that its ``1 + accepted / drafts`` is the SGLang formula of doc
 
 * ``drafts`` = Σ spec_verify_ct; ``draft_tokens`` = k · Σ spec_verify_ct;
 * ``accepted`` = Σ completion_tokens − Σ spec_verify_ct (so it also counts each request's first token,
-  which comes from prefill, not from a verify cycle: the acceptance rate reads up to 1/verify_ct high);
+  which comes from prefill, not from a verify cycle: the acceptance rate reads up to 1/verify_ct high; a
+  question answered at its first token, EOS right after the prefill, has spec_verify_ct 0 and is counted so);
 * ``correct_drafts`` = Σ spec_num_correct_drafts, the strict count, when every response has it;
 * ``accepted_pos_<p>`` = cycles that accepted more than p drafts, from the histograms, when present.
 """
@@ -235,9 +236,10 @@ def request_fields(extensions: Mapping[str, Any]) -> dict[str, Any]:
     histogram = details.get("spec_correct_drafts_histogram")
     if histogram is None:
         histogram = details.get("spec_accept_histogram")  # older name
+    # 0 is a count: an answer that ends at its first token (the prefill's) has had no verify cycle.
     return {
-        "spec_verify_ct": int(verify) if verify else None,
-        "spec_correct_drafts": int(correct) if correct is not None and verify else None,
+        "spec_verify_ct": int(verify) if verify is not None else None,
+        "spec_correct_drafts": int(correct) if correct is not None and verify is not None else None,
         "spec_accept_histogram": [int(x) for x in histogram] if histogram else None,
     }
 
@@ -247,7 +249,7 @@ def counters_from_requests(rows: Sequence[Mapping[str, Any]], arm: str, k: int) 
     out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0}
     if arm == "none" or not rows:
         return out
-    missing = [r for r in rows if not r.get("spec_verify_ct")]
+    missing = [r for r in rows if r.get("spec_verify_ct") is None]
     if missing:
         first = missing[0]
         raise SGLangError(
@@ -260,8 +262,9 @@ def counters_from_requests(rows: Sequence[Mapping[str, Any]], arm: str, k: int) 
     out.update(drafts=verify, draft_tokens=k * verify, accepted=completion - verify)
     if all(r.get("spec_correct_drafts") is not None for r in rows):
         out["correct_drafts"] = float(sum(r["spec_correct_drafts"] for r in rows))
-    histograms = [r.get("spec_accept_histogram") for r in rows]
-    if all(h is not None and len(h) > 0 for h in histograms):
+    # A response without a verify cycle has no histogram to give and adds nothing to one.
+    histograms = [r.get("spec_accept_histogram") for r in rows if r["spec_verify_ct"] > 0]
+    if histograms and all(h is not None and len(h) > 0 for h in histograms):
         for p in range(k):
             out[f"accepted_pos_{p}"] = float(sum(sum(h[p + 1 :]) for h in histograms))
     return out

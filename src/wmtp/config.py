@@ -277,8 +277,8 @@ class ProtocolSpec(_Strict):
         return data
 
 
-#: The Windowed-MTP paper's 1M geometry: 7 draft tokens per cycle (6 draft forwards, top-1). It states no sink or
-#: window; S 64 and W 4032 are SGLang's own long-context test window, which config/studies/paper-1m.yaml adopts.
+#: The Windowed-MTP paper's 1M geometry, as its public artifact runs it: 7 draft tokens per cycle (6 draft forwards,
+#: top-1), a 64-token sink and a 4,032-token window; config/studies/paper-1m.yaml runs the same (its k 6 is d 7).
 #: The replica's and the cost model's windowed arm use these S and W.
 PAPER_DRAFT_TOKENS, PAPER_WINDOW, PAPER_SINK = 7, 4032, 64
 
@@ -298,7 +298,7 @@ class ReplicaSettings(_Strict):
     ks: str = "1,3,5"
     # Concurrent requests per step (each with its own KV and state); what does not fit is recorded, not run.
     batches: str = "1,2,4,8"
-    # S and W of the windowed draft: the paper-1m study's (SGLang's default window).
+    # S and W of the windowed draft: the paper's (its artifact's), as the paper-1m study's.
     sink: NonNegative = PAPER_SINK
     window: Count = PAPER_WINDOW
     reps: Count = 30

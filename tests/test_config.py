@@ -282,6 +282,8 @@ def test_retrained_weights_of_the_same_size_change_the_fingerprint(tmp_path):
         ("engines", "--additional-config.wmtp.window=256"),
         ("models", "--speculative-config"),
         ("models", "-sc"),
+        ("arms", "--speculative-config"),
+        ("arms", "--additional-config.wmtp.sink=0"),
     ],
 )
 def test_serve_args_cannot_set_what_the_arms_set(embedded_raw, where, arg):
@@ -317,3 +319,29 @@ def test_a_cells_part_of_its_identity_is_its_key(repo):
         "concurrency": 1,
         "server": 2,
     }
+
+
+def test_an_arms_own_serve_args_reach_its_cells_alone(embedded_raw):
+    """An arm entry's serve_args (e.g. another draft kernel for the windowed arm) go to that entry's cells only,
+    after the engine's and the model's, and they are part of those cells' identity, no other cell's."""
+    from wmtp.measure.identity import cell_identity, cell_study, identity_hash
+
+    before = study_from_dict(embedded_raw)
+    embedded_raw["arms"][2]["serve_args"] = ["--max-num-seqs", "2"]
+    after = study_from_dict(embedded_raw)
+    for cell in after.cells():
+        own = ["--max-num-seqs", "2"] if cell.arm == "wmtp" else []
+        assert after.arm_args(cell) == own
+        assert after.serve_args(cell) == [*after.engine(cell.engine).serve_args, *own]
+        changed = identity_hash(cell_identity(after, cell)) != identity_hash(cell_identity(before, cell))
+        assert changed == (cell.arm == "wmtp"), cell.cell_id
+        narrowed = study_from_dict(cell_study(after, cell))
+        assert narrowed.arm_args(cell) == own
+    # A study without them dumps as before: its hash (and every identity) is unchanged.
+    embedded_raw["arms"][2]["serve_args"] = []
+    assert study_from_dict(embedded_raw).config_hash() == before.config_hash()
+
+
+def test_an_arms_own_serve_args_may_not_open_its_server(embedded_raw):
+    embedded_raw["arms"][1]["serve_args"] = ["--host", "0.0.0.0"]
+    check(embedded_raw, "arms[1].serve_args --host 0.0.0.0", "unauthenticated")

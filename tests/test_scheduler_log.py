@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from wmtp.analyze.scheduler_log import iteration_statistic, sglang_lines, vllm_lines
+from wmtp.analyze.scheduler_log import iteration_statistic, segments, sglang_lines, vllm_lines
 from wmtp.cli import main
 
 VLLM_LOG = """\
@@ -65,3 +65,56 @@ def test_the_command_prints_one_line_per_log(tmp_path, capsys):
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert printed[0]["iteration_ms"] == pytest.approx(20.0) and printed[0]["lines"] == 3
     assert printed[1] == {"log": str(empty), "batch": 1, "lines": 0}
+
+
+def _decode(accept: float, gen: float, full: int = 1040100, running: int = 1) -> str:
+    return (
+        f"[2026-12-03 16:00:09] Decode batch, #running-req: {running}, #full token: {full}, full token usage: 0.40, "
+        f"mamba num: 2, mamba usage: 0.01, accept len: {accept:.2f}, accept rate: 0.75, cuda graph: True, "
+        f"gen throughput (token/s): {gen:.2f}, #queue-req: 0,"
+    )
+
+
+PREFILL = SGLANG_LOG.splitlines()[0]
+
+
+def test_the_artifacts_reading_a_ramp_an_empty_pool_and_outliers_are_left_out():
+    # After a prefill: two ramp lines (the first reaching back over the prefill), an empty-pool line, a flush-like
+    # outlier, then the decode proper at 20 ms an iteration.
+    log = [
+        PREFILL,
+        _decode(4.0, 4.0),
+        _decode(6.0, 150.0),
+        _decode(1.0, 9000.0, full=0),
+        _decode(4.0, 200.0),
+        _decode(4.0, 1000.0),
+        _decode(5.0, 250.0),
+        _decode(3.0, 150.0),
+    ]
+    lines = sglang_lines(log)
+    assert [line.full_tokens for line in lines] == [1040100, 1040100, 0, 1040100, 1040100, 1040100, 1040100]
+    found = iteration_statistic(lines, batch=1, ramp=2)
+    # Steady and past the ramp: 20, 4 (outside 0.4–2.5 × the median 20), 20, 20 ms; the mean accept length of the
+    # three kept lines is 4.
+    assert found.lines == 3 and found.iteration_ms == pytest.approx(20.0)
+    assert found.mean_accept_length == pytest.approx(4.0) and found.tpot_ms == pytest.approx(5.0)
+    # Without the ramp dropped, the band still leaves out the line that reaches back over the prefill (1 s), but the
+    # second ramp line (40 ms) is kept and moves the mean accept length.
+    unramped = iteration_statistic(lines, batch=1)
+    assert unramped.lines == 4 and unramped.mean_accept_length == pytest.approx(4.5)
+
+
+def test_a_log_splits_into_one_decode_a_request_and_the_command_prints_each(tmp_path, capsys):
+    first = [PREFILL, PREFILL, *(_decode(4.0, 200.0) for _ in range(5))]
+    second = [PREFILL, *(_decode(2.0, 200.0) for _ in range(5))]
+    runs = segments([*first, *second], "sglang")
+    assert [len(run) for run in runs] == [5, 5]
+    log = tmp_path / "server.log"
+    log.write_text("\n".join([*first, *second]) + "\n")
+    assert main(["iteration-statistic", "--engine", "sglang", "--segments", str(log)]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [p["segment"] for p in printed] == [0, 1]
+    assert [p["iteration_ms"] for p in printed] == pytest.approx([20.0, 10.0])
+    assert [p["lines"] for p in printed] == [3, 3]  # two ramp lines dropped from each
+    # vLLM: an interval with prompt throughput starts the next request's run.
+    assert [len(run) for run in segments(VLLM_LOG.splitlines(), "vllm")] == [5]

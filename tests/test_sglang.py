@@ -25,7 +25,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
 FAKE_SITE = FIXTURES / "fake_site"
 
 
-def _argv(arm: str, k: int = 3, sink: int | None = None, window: int | None = None, engine_args=None):
+def _argv(arm: str, k: int = 3, sink: int | None = None, window: int | None = None, engine_args=None, arm_args=()):
     return sglang.serve_argv(
         ServeRequest(
             "/env/bin/python",
@@ -36,6 +36,7 @@ def _argv(arm: str, k: int = 3, sink: int | None = None, window: int | None = No
             draft=Draft(arm=arm, k=k, sink=sink, window=window),
             engine_args=engine_args or ["--mem-fraction-static", "0.8"],
             model_args=["--trust-remote-code"],
+            arm_args=arm_args,
         )
     )
 
@@ -89,6 +90,20 @@ def test_wmtp_keeps_a_chosen_triton_backend_and_refuses_one_that_ignores_the_win
     assert _value(argv, "--speculative-draft-attention-backend") == "triton"
     with pytest.raises(sglang.SGLangError, match="'fa3' ignores the draft window"):
         _argv("wmtp", sink=0, window=128, engine_args=["--speculative-draft-attention-backend=fa3"])
+
+
+def test_an_arms_own_serve_args_come_last_and_choose_its_draft_backend():
+    # The windowed arm on Triton, the native one on FlashInfer: each arm's own args, after the engine's and model's.
+    triton = ["--speculative-draft-attention-backend", "triton"]
+    wmtp = _argv("wmtp", k=6, sink=64, window=4032, arm_args=triton)
+    assert wmtp[wmtp.index("--trust-remote-code") + 1 : wmtp.index("--speculative-algorithm")] == triton
+    assert wmtp.count("--speculative-draft-attention-backend") == 1
+    mtp = _argv("mtp", k=6, arm_args=["--speculative-draft-attention-backend", "flashinfer"])
+    assert _value(mtp, "--speculative-draft-attention-backend") == "flashinfer"
+    with pytest.raises(sglang.SGLangError, match="ignores the draft window"):
+        _argv("wmtp", sink=64, window=4032, arm_args=["--speculative-draft-attention-backend", "fa3"])
+    with pytest.raises(sglang.SGLangError, match="engine/model/arm serve_args set --speculative-num-steps"):
+        _argv("mtp", arm_args=["--speculative-num-steps=2"])
 
 
 def test_ring_arm_is_not_built_on_sglang():
@@ -198,6 +213,26 @@ def test_native_generate_meta_info_and_the_older_histogram_name():
         "spec_correct_drafts": None,
         "spec_accept_histogram": None,
     }
+
+
+def test_an_answer_that_ends_at_its_first_token_has_no_verify_cycle_and_still_counts():
+    # QA mode honours EOS: an answer can end with the prefill's token, before any verify cycle.
+    details = {"spec_verify_ct": 0, "spec_num_correct_drafts": 0, "spec_correct_drafts_histogram": []}
+    short = {"rung": 64, "completion_tokens": 1, **sglang.request_fields({"sglext": {"spec_tokens_details": details}})}
+    assert short["spec_verify_ct"] == 0 and short["spec_correct_drafts"] == 0
+    full = {
+        "rung": 64,
+        "completion_tokens": 9,
+        "spec_verify_ct": 3,
+        "spec_correct_drafts": 5,
+        "spec_accept_histogram": [0, 2, 0, 1],
+    }
+    c = sglang.counters_from_requests([short, full], "mtp", 3)
+    assert c["drafts"] == 3 and c["accepted"] == 10 - 3 and c["correct_drafts"] == 5
+    assert [c[f"accepted_pos_{p}"] for p in range(3)] == [3, 1, 1]
+    # A drafting response that carries no count at all is still refused.
+    with pytest.raises(sglang.SGLangError, match="1 of 2 responses carry no spec_verify_ct"):
+        sglang.counters_from_requests([full, {"rung": 64, "completion_tokens": 9}], "mtp", 3)
 
 
 def test_rung_counters_give_design_tok_per_verify():

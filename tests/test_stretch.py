@@ -42,11 +42,20 @@ def test_the_scaling_joins_the_text_configs_rope_parameters_and_keeps_the_rest()
     assert out["text_config"]["num_attention_heads"] == 16 and out["vision_config"] == {"depth": 27}
     assert "rope_scaling" not in out and "rope_scaling" not in out["text_config"]
     assert MULTIMODAL["text_config"]["rope_parameters"]["rope_type"] == "default"  # the original is not changed
+    # The stretched length, where the text config keeps its length: 262,144 × 4.
+    assert out["text_config"]["max_position_embeddings"] == 1_048_576 and "max_position_embeddings" not in out
+    assert MULTIMODAL["text_config"]["max_position_embeddings"] == 262144
 
 
 def test_a_plain_config_without_rope_parameters_gets_rope_scaling():
     out = stretched_config({"max_position_embeddings": 32768, "rope_theta": 1e6}, YARN)
     assert out["rope_scaling"] == YARN and out["rope_theta"] == 1e6
+    assert out["max_position_embeddings"] == 1_048_576
+
+
+def test_a_scaling_without_its_original_length_leaves_the_length_as_it_is():
+    out = stretched_config({"max_position_embeddings": 32768}, {"rope_type": "yarn", "factor": 4.0})
+    assert out["max_position_embeddings"] == 32768
 
 
 def test_the_stretched_folder_links_every_file_but_its_config(tmp_path):

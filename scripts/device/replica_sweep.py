@@ -9,9 +9,9 @@ acceptance-free step time of none, native and windowed MTP at each (model, conte
 that fits, with per-component times, each next to its bytes/bandwidth floor.  CSVs (replica_*.csv)
 are written to --out as it goes, so a timeout still leaves data; a summary table is printed last.
 
-S and W: neither the Spark study nor the Windowed-MTP paper gives values; we use wmtp.config's
-PAPER_SINK and PAPER_WINDOW (4,096 draft-visible tokens), the window of SGLang's own long-context tests
-that config/studies/paper-1m.yaml adopts, so the replica and the engine study measure the same arms.
+S and W: wmtp.config's PAPER_SINK and PAPER_WINDOW (4,096 draft-visible tokens), the window the Windowed-MTP
+paper's public artifact runs and config/studies/paper-1m.yaml adopts, so the replica and the engine study
+measure the same arms.
 Batches 1, 2, 4, 8: the paper's batch sweep on the 35B, as far as an H200's memory holds at each context.
 """
 

@@ -103,11 +103,15 @@ def cmd_iteration_statistic(args: argparse.Namespace) -> int:
     from wmtp.analyze import scheduler_log
 
     read = scheduler_log.vllm_lines if args.engine == "vllm" else scheduler_log.sglang_lines
+    ramp = scheduler_log.RAMP_LINES[args.engine] if args.ramp is None else args.ramp
     for log in args.logs:
         with log.open(errors="replace") as lines:
-            found = scheduler_log.iteration_statistic(read(lines), args.batch)
-        figures = dataclasses.asdict(found) if found else {"lines": 0}
-        print(json.dumps({"log": str(log), "batch": args.batch, **figures}))
+            runs = scheduler_log.segments(lines, args.engine) if args.segments else [read(lines)]
+        for i, run in enumerate(runs):
+            found = scheduler_log.iteration_statistic(run, args.batch, ramp)
+            figures = dataclasses.asdict(found) if found else {"lines": 0}
+            where = {"segment": i} if args.segments else {}
+            print(json.dumps({"log": str(log), **where, "batch": args.batch, **figures}))
     return 0
 
 
@@ -323,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--engine", choices=("vllm", "sglang"), required=True)
     p.add_argument("--batch", type=int, default=1, help="the requests running together in a steady-state line")
+    p.add_argument(
+        "--ramp", type=int, default=None, help="steady lines dropped at the start (default: sglang 2, vllm 0)"
+    )
+    p.add_argument(
+        "--segments", action="store_true", help="one line per decode between two prefills (a request, one at a time)"
+    )
     p.add_argument("logs", type=Path, nargs="+", help="server logs")
     p.set_defaults(func=cmd_iteration_statistic)
 

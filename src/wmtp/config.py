@@ -199,6 +199,26 @@ class ArmSpec(_Strict):
     k: Annotated[list[int], Unique] = Field(default_factory=list)
     sink: Annotated[list[NonNegative], Unique] = Field(default_factory=list)
     window: Annotated[list[Count], Unique] = Field(default_factory=list)
+    # Serve arguments of this entry's cells alone, after the engine's and the model's: what an engine is told per
+    # arm beside the draft the arm sets itself (SGLang's draft attention backend, say, where a windowed draft runs
+    # on another kernel than the native one). The flags the arm owns stay refused here as in any serve_args.
+    serve_args: list[str] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Left out while empty, so that a study without them keeps its hash and its cells' identities.
+        data = handler(self)
+        if not data.get("serve_args"):
+            data.pop("serve_args", None)
+        return data
+
+    def makes(self, cell: CellKey) -> bool:
+        """Whether this entry's matrix holds ``cell``'s arm setting (its name, k, S and W)."""
+        if cell.arm != self.name:
+            return False
+        if self.name in DRAFTING_ARMS and cell.k not in self.k:
+            return False
+        return self.name not in WINDOWED_ARMS or (cell.sink in self.sink and cell.window in self.window)
 
 
 class ProtocolSpec(_Strict):
@@ -264,8 +284,8 @@ class ProtocolSpec(_Strict):
         return data
 
 
-#: The Windowed-MTP paper's 1M geometry: 7 draft tokens per cycle (6 draft forwards, top-1). It states no sink or
-#: window; S 64 and W 4032 are SGLang's own long-context test window, which config/studies/paper-1m.yaml adopts.
+#: The Windowed-MTP paper's 1M geometry, as its public artifact runs it: 7 draft tokens per cycle (6 draft forwards,
+#: top-1), a 64-token sink and a 4,032-token window; config/studies/paper-1m.yaml runs the same (its k 6 is d 7).
 #: The replica's and the cost model's windowed arm use these S and W.
 PAPER_DRAFT_TOKENS, PAPER_WINDOW, PAPER_SINK = 7, 4032, 64
 
@@ -285,7 +305,7 @@ class ReplicaSettings(_Strict):
     ks: str = "1,3,5"
     # Concurrent requests per step (each with its own KV and state); what does not fit is recorded, not run.
     batches: str = "1,2,4,8"
-    # S and W of the windowed draft: the paper-1m study's (SGLang's default window).
+    # S and W of the windowed draft: the paper's (its artifact's), as the paper-1m study's.
     sink: NonNegative = PAPER_SINK
     window: Count = PAPER_WINDOW
     reps: Count = 30
@@ -351,8 +371,8 @@ class Study(_Strict):
         _check_draft_room(self.protocol, self.models, self.arms)
         _check_warmup(self.protocol, self.models)
         _check_ring(self.arms, self.engines, self.models)
-        _check_binds(self.engines, self.models)
-        _check_arm_flags(self.engines, self.models)
+        _check_binds(self.engines, self.models, self.arms)
+        _check_arm_flags(self.engines, self.models, self.arms)
         _check_positions(self.models, self.engines, base_dir)
         _check_pieces(self)
         return self
@@ -380,6 +400,18 @@ class Study(_Strict):
 
     def cells(self) -> list[Cell]:
         return list(expand_cells(self))
+
+    def arm_args(self, cell: CellKey) -> list[str]:
+        """The serve arguments of the arm entry that makes ``cell`` (settings are distinct across entries)."""
+        for arm in self.arms:
+            if arm.makes(cell):
+                return list(arm.serve_args)
+        raise ConfigError(f"config: no entry of arms makes arm {cell.arm!r} k={cell.k} S={cell.sink} W={cell.window}")
+
+    def serve_args(self, cell: CellKey) -> list[str]:
+        """A cell's serve arguments in the order its server gets them: the engine's, the model's, the arm's."""
+        engine, model = self.engine(cell.engine), self.model(cell.model)
+        return [*engine.serve_args, *model.serve_args, *self.arm_args(cell)]
 
     def runs_windowed(self, engine: str) -> bool:
         """Whether any cell runs ``wmtp`` or ``wmtp-ring`` on this engine."""
@@ -905,11 +937,12 @@ def _arm_flag(arg: str) -> str | None:
     return None
 
 
-def _check_arm_flags(engines: list[EngineSpec], models: list[ModelSpec]) -> None:
+def _check_arm_flags(engines: list[EngineSpec], models: list[ModelSpec], arms: list[ArmSpec]) -> None:
     """Refuse serve_args that would set what each cell's arm sets on a vLLM engine."""
     sources = [(f"engines[{j}].serve_args", e.serve_args) for j, e in enumerate(engines) if e.kind == "vllm"]
     if any(e.kind == "vllm" for e in engines):
         sources += [(f"models[{i}].serve_args", m.serve_args) for i, m in enumerate(models)]
+        sources += [(f"arms[{i}].serve_args", a.serve_args) for i, a in enumerate(arms)]
     for where, args in sources:
         for arg in args:
             flag = _arm_flag(arg)
@@ -921,16 +954,22 @@ def _check_arm_flags(engines: list[EngineSpec], models: list[ModelSpec]) -> None
                 )
 
 
-def _check_binds(engines: list[EngineSpec], models: list[ModelSpec]) -> None:
-    """A server reachable beyond this machine only on purpose and with a key: every cell's argv is engine + model."""
+def _check_binds(engines: list[EngineSpec], models: list[ModelSpec], arms: list[ArmSpec]) -> None:
+    """A server reachable beyond this machine only on purpose and with a key: every cell's argv is engine + model +
+    arm."""
     for j, engine in enumerate(engines):
         for i, model in enumerate(models):
-            args = [*engine.serve_args, *model.serve_args]
-            host = _flag_value(args, "--host")
-            if host is None or _is_loopback(host):
-                continue
-            where = f"models[{i}].serve_args" if _flag_value(model.serve_args, "--host") else f"engines[{j}].serve_args"
-            _check_remote(where, host, j, engine, args)
+            for a, arm in enumerate(arms):
+                args = [*engine.serve_args, *model.serve_args, *arm.serve_args]
+                host = _flag_value(args, "--host")
+                if host is None or _is_loopback(host):
+                    continue
+                where = f"engines[{j}].serve_args"
+                if _flag_value(arm.serve_args, "--host"):
+                    where = f"arms[{a}].serve_args"
+                elif _flag_value(model.serve_args, "--host"):
+                    where = f"models[{i}].serve_args"
+                _check_remote(where, host, j, engine, args)
 
 
 def _stretched(rope: Any) -> bool:

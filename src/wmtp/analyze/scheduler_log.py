@@ -6,10 +6,18 @@ its generation throughput, divided by the mean accept length. So the iteration i
 throughput, times the requests that share the throughput. This module reads those lines from a server's log and
 computes that figure, to be set beside the cycle the engine's per-request clock gives.
 
-SGLang logs a decode line every few dozen decode steps, each over decode alone. vLLM logs every 10 s (its stats
-interval) whatever ran in it: a line whose interval held a prefill, or only part of a request's decode, is not a
-steady state, so only lines with no prompt throughput, the batch running and nothing waiting count, and a vLLM
-request shorter than its interval has none.
+SGLang logs a decode line every ``--decode-log-interval`` decode steps (40 unless told; the paper's study logs
+every step), each over the time since the line before. vLLM logs every 10 s (its stats interval) whatever ran in
+it: a line whose interval held a prefill, or only part of a request's decode, is not a steady state, so only lines
+with no prompt throughput, the batch running and nothing waiting count, and a vLLM request shorter than its
+interval has none.
+
+As the paper's artifact reads them: a line whose pool holds no full-attention token (SGLang's ``#full token: 0``)
+is a flush or an empty batch, not a decode step; the first steady lines of a decode are its ramp (SGLang's first
+line reaches back over the prefill before it), so ``ramp`` of them are dropped where more than ``ramp + 1`` remain;
+and a line whose iteration lies outside 0.4–2.5 times the median is left out of both the median and the mean
+accept length. A server log holds every request a cell sent; :func:`segments` splits it where a prefill comes
+between decode lines, so that at one request at a time each request's decode is a segment of its own, in order.
 """
 
 from __future__ import annotations
@@ -26,11 +34,18 @@ _VLLM_STATS = re.compile(
 )
 _VLLM_SPEC = re.compile(r"SpecDecoding metrics: Mean acceptance length: (?P<accept>[\d.]+)")
 _SGLANG_DECODE = re.compile(r"Decode batch[^#]*#running-req: (?P<running>\d+),")
+_SGLANG_PREFILL = re.compile(r"Prefill batch")
 _SGLANG_FIELD = {
     "accept": re.compile(r"accept len: (?P<v>[\d.]+)"),
     "gen": re.compile(r"gen throughput \(token/s\): (?P<v>[\d.]+)"),
     "waiting": re.compile(r"#queue-req: (?P<v>\d+)"),
+    "full": re.compile(r"#full token: (?P<v>\d+)"),
 }
+#: Steady lines dropped at the start of a decode: SGLang's first line covers the prefill before it (the paper's
+#: artifact drops two); vLLM's lines that held a prefill are not steady in the first place.
+RAMP_LINES = {"sglang": 2, "vllm": 0}
+#: A line's iteration counts only within this band around the median iteration (the artifact's).
+BAND = (0.4, 2.5)
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,8 @@ class DecodeLine:
     accept_length: float
     gen_tokens_per_s: float
     prompt_tokens_per_s: float = 0.0
+    # Full-attention tokens in the pool, where the engine logs them (SGLang's hybrid models).
+    full_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -77,46 +94,78 @@ def vllm_lines(log: Iterable[str]) -> list[DecodeLine]:
     return found
 
 
+def _sglang_line(text: str) -> DecodeLine | None:
+    decode = _SGLANG_DECODE.search(text)
+    if not decode:
+        return None
+    fields = {name: pattern.search(text) for name, pattern in _SGLANG_FIELD.items()}
+    if fields["gen"] is None:
+        return None
+    return DecodeLine(
+        running=int(decode["running"]),
+        waiting=int(fields["waiting"]["v"]) if fields["waiting"] else 0,
+        accept_length=float(fields["accept"]["v"]) if fields["accept"] else 1.0,
+        gen_tokens_per_s=float(fields["gen"]["v"]),
+        full_tokens=int(fields["full"]["v"]) if fields["full"] else None,
+    )
+
+
 def sglang_lines(log: Iterable[str]) -> list[DecodeLine]:
     """SGLang's "Decode batch" lines (an accept length of 1 where no draft runs)."""
-    found: list[DecodeLine] = []
-    for text in log:
-        decode = _SGLANG_DECODE.search(text)
-        if not decode:
-            continue
-        fields = {name: pattern.search(text) for name, pattern in _SGLANG_FIELD.items()}
-        if fields["gen"] is None:
-            continue
-        found.append(
-            DecodeLine(
-                running=int(decode["running"]),
-                waiting=int(fields["waiting"]["v"]) if fields["waiting"] else 0,
-                accept_length=float(fields["accept"]["v"]) if fields["accept"] else 1.0,
-                gen_tokens_per_s=float(fields["gen"]["v"]),
-            )
-        )
-    return found
+    return [line for line in map(_sglang_line, log) if line is not None]
+
+
+def segments(log: Iterable[str], engine: str) -> list[list[DecodeLine]]:
+    """The log's decode lines in runs that a prefill separates: SGLang's "Prefill batch" lines, vLLM's intervals with
+    prompt throughput. At one request at a time, each run is one request's decode, in the order they were sent."""
+    runs: list[list[DecodeLine]] = [[]]
+    if engine == "vllm":
+        for line in vllm_lines(log):
+            if line.prompt_tokens_per_s > 0 and runs[-1]:
+                runs.append([])
+            runs[-1].append(line)
+    else:
+        for text in log:
+            if _SGLANG_PREFILL.search(text):
+                if runs[-1]:
+                    runs.append([])
+                continue
+            line = _sglang_line(text)
+            if line is not None:
+                runs[-1].append(line)
+    return [run for run in runs if run]
 
 
 def steady_lines(lines: Iterable[DecodeLine], batch: int) -> list[DecodeLine]:
-    """Lines of decode alone at ``batch`` requests: nothing prefilled, nothing waiting, tokens generated."""
+    """Lines of decode alone at ``batch`` requests: nothing prefilled, nothing waiting, tokens generated, and full
+    tokens in the pool where the engine counts them."""
     return [
         line
         for line in lines
-        if line.running == batch and line.waiting == 0 and line.prompt_tokens_per_s == 0 and line.gen_tokens_per_s > 0
+        if line.running == batch
+        and line.waiting == 0
+        and line.prompt_tokens_per_s == 0
+        and line.gen_tokens_per_s > 0
+        and line.full_tokens != 0
     ]
 
 
-def iteration_statistic(lines: Iterable[DecodeLine], batch: int) -> IterationStatistic | None:
-    """The paper's iteration and TPOT over the steady-state lines at ``batch``; None where there are none."""
+def iteration_statistic(lines: Iterable[DecodeLine], batch: int, ramp: int = 0) -> IterationStatistic | None:
+    """The paper's iteration and TPOT over the steady-state lines at ``batch``, less the first ``ramp`` of them and
+    those outside :data:`BAND` around the median; None where there are none."""
     steady = steady_lines(lines, batch)
+    if len(steady) > ramp + 1:
+        steady = steady[ramp:]
     if not steady:
         return None
-    iteration_s = statistics.median(batch * line.accept_length / line.gen_tokens_per_s for line in steady)
-    mean_accept = statistics.fmean(line.accept_length for line in steady)
+    per_line = [batch * line.accept_length / line.gen_tokens_per_s for line in steady]
+    middle = statistics.median(per_line)
+    kept = [(line, s) for line, s in zip(steady, per_line, strict=True) if BAND[0] * middle <= s <= BAND[1] * middle]
+    iteration_s = statistics.median(s for _, s in kept)
+    mean_accept = statistics.fmean(line.accept_length for line, _ in kept)
     return IterationStatistic(
         iteration_ms=1000 * iteration_s,
         tpot_ms=1000 * iteration_s / mean_accept,
         mean_accept_length=mean_accept,
-        lines=len(steady),
+        lines=len(kept),
     )

@@ -28,6 +28,8 @@ class ServeRequest:
     draft: Draft
     engine_args: Sequence[str] = field(default_factory=tuple)
     model_args: Sequence[str] = field(default_factory=tuple)
+    # The cell's arm entry's own serve args, after the engine's and the model's (the last value of a flag wins).
+    arm_args: Sequence[str] = field(default_factory=tuple)
     host: str = "127.0.0.1"
     # Where the engine's profiler writes its traces, and how many engine iterations a start traces (0: off).
     profile_dir: Path | None = None

@@ -16,7 +16,8 @@ Arms (facts from the sglang 0.5.21 wheel's ``arg_groups/fields/spec.py`` and ``s
   Triton and FlashInfer *draft* attention backends honour it — others (fa3; trtllm_mha, which 0.5.21
   picks by itself for Nemotron-H drafts on Blackwell) silently read the full context — so every drafting
   arm gets ``--speculative-draft-attention-backend`` (FlashInfer unless the study's serve_args choose
-  Triton): the same draft backend in ``mtp`` and ``wmtp``, so the arms differ only in the window.
+  Triton): by default the same draft backend in ``mtp`` and ``wmtp``, so the arms differ only in the
+  window; a study that gives an arm its own backend (the arm's ``serve_args``) says so beside it.
 * ``wmtp-ring`` — ours, not upstream's: not built for SGLang yet (``RingNotBuilt``).
 
 Counters: SGLang's Prometheus spec metrics are gauges (acceptance length/rate), which cannot be
@@ -31,7 +32,8 @@ reads, chosen so that its ``1 + accepted / drafts`` is the SGLang formula of doc
 
 * ``drafts`` = Σ spec_verify_ct; ``draft_tokens`` = k · Σ spec_verify_ct;
 * ``accepted`` = Σ completion_tokens − Σ spec_verify_ct (so it also counts each request's first token,
-  which comes from prefill, not from a verify cycle: the acceptance rate reads up to 1/verify_ct high);
+  which comes from prefill, not from a verify cycle: the acceptance rate reads up to 1/verify_ct high; a
+  question answered at its first token, EOS right after the prefill, has spec_verify_ct 0 and is counted so);
 * ``correct_drafts`` = Σ spec_num_correct_drafts, the strict count, when every response has it;
 * ``accepted_pos_<p>`` = cycles that accepted more than p drafts, from the histograms, when present.
 """
@@ -100,7 +102,7 @@ def speculative_args(
     owned = [flag for flag in ARM_FLAGS if _has_flag(extra_args, flag)]
     if owned:
         raise SGLangError(
-            f"engine/model serve_args set {', '.join(owned)}, which the arm sets; remove them "
+            f"engine/model/arm serve_args set {', '.join(owned)}, which the arm sets; remove them "
             "(the arm, k, sink and window of a cell decide them)"
         )
     if arm == "none":
@@ -132,7 +134,7 @@ def speculative_args(
         if backend not in WINDOW_BACKENDS:
             raise SGLangError(
                 f"arm 'wmtp': draft attention backend {backend!r} ignores the draft window; set "
-                f"{DRAFT_BACKEND_FLAG} to one of {', '.join(WINDOW_BACKENDS)} in the engine's "
+                f"{DRAFT_BACKEND_FLAG} to one of {', '.join(WINDOW_BACKENDS)} in the engine's or the arm's "
                 "serve_args (or leave it out for FlashInfer)"
             )
         if window is None or window < 1:
@@ -146,7 +148,7 @@ def speculative_args(
 def serve_argv(request: ServeRequest) -> list[str]:
     """The server command as a list (never a shell string)."""
     r = request
-    extra = list(r.engine_args) + list(r.model_args)
+    extra = [*r.engine_args, *r.model_args, *r.arm_args]
     argv = [
         r.python,
         "-m",
@@ -185,7 +187,7 @@ def read_counters(base_url: str) -> dict[str, float]:
 def check_cell(spec: Any, engine_manifest: Mapping[str, Any], cell: Any, extra_args: Sequence[str] = ()) -> None:
     """Refuse, before a server starts, a cell this engine cannot run; the message says what to change.
 
-    ``extra_args`` are the engine's and the model's serve_args, as ``serve_argv`` gets them.
+    ``extra_args`` are the engine's, the model's and the arm's serve_args, as ``serve_argv`` gets them.
     """
     if getattr(spec, "device", "cuda") != "cuda":
         raise SGLangError(
@@ -208,7 +210,7 @@ def check_cell(spec: Any, engine_manifest: Mapping[str, Any], cell: Any, extra_a
             raise SGLangError(
                 f"engine {spec.name!r}: in sglang {versions.get('sglang', '?')} the {backend!r} draft "
                 f"backend does not apply the draft window (only {honouring or 'none'} do); set "
-                f"{DRAFT_BACKEND_FLAG} accordingly in the engine's serve_args"
+                f"{DRAFT_BACKEND_FLAG} accordingly in the engine's or the arm's serve_args"
             )
 
 
@@ -234,9 +236,10 @@ def request_fields(extensions: Mapping[str, Any]) -> dict[str, Any]:
     histogram = details.get("spec_correct_drafts_histogram")
     if histogram is None:
         histogram = details.get("spec_accept_histogram")  # older name
+    # 0 is a count: an answer that ends at its first token (the prefill's) has had no verify cycle.
     return {
-        "spec_verify_ct": int(verify) if verify else None,
-        "spec_correct_drafts": int(correct) if correct is not None and verify else None,
+        "spec_verify_ct": int(verify) if verify is not None else None,
+        "spec_correct_drafts": int(correct) if correct is not None and verify is not None else None,
         "spec_accept_histogram": [int(x) for x in histogram] if histogram else None,
     }
 
@@ -246,7 +249,7 @@ def counters_from_requests(rows: Sequence[Mapping[str, Any]], arm: str, k: int) 
     out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0}
     if arm == "none" or not rows:
         return out
-    missing = [r for r in rows if not r.get("spec_verify_ct")]
+    missing = [r for r in rows if r.get("spec_verify_ct") is None]
     if missing:
         first = missing[0]
         raise SGLangError(
@@ -259,8 +262,9 @@ def counters_from_requests(rows: Sequence[Mapping[str, Any]], arm: str, k: int) 
     out.update(drafts=verify, draft_tokens=k * verify, accepted=completion - verify)
     if all(r.get("spec_correct_drafts") is not None for r in rows):
         out["correct_drafts"] = float(sum(r["spec_correct_drafts"] for r in rows))
-    histograms = [r.get("spec_accept_histogram") for r in rows]
-    if all(h is not None and len(h) > 0 for h in histograms):
+    # A response without a verify cycle has no histogram to give and adds nothing to one.
+    histograms = [r.get("spec_accept_histogram") for r in rows if r["spec_verify_ct"] > 0]
+    if histograms and all(h is not None and len(h) > 0 for h in histograms):
         for p in range(k):
             out[f"accepted_pos_{p}"] = float(sum(sum(h[p + 1 :]) for h in histograms))
     return out

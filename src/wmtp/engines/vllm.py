@@ -75,7 +75,7 @@ def serve_argv(request: ServeRequest) -> list[str]:
         "--max-model-len",
         str(r.max_model_len),
     ]
-    argv += list(r.engine_args) + list(r.model_args)
+    argv += [*r.engine_args, *r.model_args, *r.arm_args]
     draft = r.draft
     spec = speculative_config(draft.arm, draft.k)
     if spec is not None:

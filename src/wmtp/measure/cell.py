@@ -553,6 +553,7 @@ def _build_server(run: CellRun, engine: EngineAdapter, staging: Path, cache_dir:
             draft=cell,
             engine_args=tuple(spec.serve_args),
             model_args=tuple(model.serve_args),
+            arm_args=tuple(study.arm_args(cell)),
             profile_dir=run.profile_dir,
             profile_iterations=run.protocol.profile_iterations,
         )
@@ -681,7 +682,7 @@ def run_cell(run: CellRun) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     spec = study.engine(cell.engine)
     engine = adapter(spec.kind)
-    engine.check_cell(spec, run.engine_manifest, cell, [*spec.serve_args, *study.model(cell.model).serve_args])
+    engine.check_cell(spec, run.engine_manifest, cell, study.serve_args(cell))
     _remove_orphaned_tmp()
     short_tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
     meter = open_meter(run.gpu_index)

@@ -1,10 +1,11 @@
 """What a cell's measurements depend on, as one hash: change any of it and exactly that cell reruns.
 
 A cell's identity is the cell itself, the protocol it sweeps (rungs, repeats, output length, workloads,
-warm-up, sampling), its engine (the build's spec hash: packages, environment, serve args) and its model
-(the study's entry and a fingerprint of a local checkpoint's files). The rules hand the hash to the cell
-rule as a parameter, so Snakemake reruns a cell whose identity changed; the cell checks it again against
-the study file it reads and records it in its manifest, and collect refuses to mix protocols.
+warm-up, sampling), its engine (the build's spec hash: packages, environment, serve args), its model
+(the study's entry and a fingerprint of a local checkpoint's files) and its arm's own serve args, if any.
+The rules hand the hash to the cell rule as a parameter, so Snakemake reruns a cell whose identity changed;
+the cell checks it again against the study file it reads and records it in its manifest, and collect refuses
+to mix protocols.
 """
 
 from __future__ import annotations
@@ -107,12 +108,16 @@ def cell_identity(study: Study, cell: Cell, base_dir: Path | str = ".") -> dict[
         # The checkpoint is written from the architecture's facts file: an edit there changes what is measured.
         facts = architecture_file(model.architecture).read_bytes()
         entry["architecture_sha256"] = hashlib.sha256(facts).hexdigest()[:16]
-    return {
+    identity = {
         "cell": cell.model_dump(mode="json", exclude={"study"}),
         "protocol": protocol_identity(study),
         "engine": spec_hash(study.engine(cell.engine)),
         "model": entry,
     }
+    arm_args = study.arm_args(cell)
+    if arm_args:  # only where an arm has its own, so that the cells of every other study keep their identity
+        identity["arm_args"] = arm_args
+    return identity
 
 
 def identity_hash(identity: dict[str, Any]) -> str:
@@ -140,6 +145,9 @@ def cell_study(study: Study, cell: Cell) -> dict[str, Any]:
         arm["k"] = [cell.k]
     if cell.arm in WINDOWED_ARMS:
         arm.update(sink=[cell.sink], window=[cell.window])
+    arm_args = study.arm_args(cell)
+    if arm_args:
+        arm["serve_args"] = arm_args
     raw.update(
         engines=[e for e in raw["engines"] if e["name"] == cell.engine],
         models=[m for m in raw["models"] if m["name"] == cell.model],

@@ -30,12 +30,18 @@ def stretched_config(config: Mapping[str, Any], rope_scaling: Mapping[str, Any])
 
     A multimodal config keeps them in its ``text_config``; within it, transformers 5's ``rope_parameters`` holds them
     where present (its other keys, such as the rotary fraction or the mrope sections, kept), else ``rope_scaling``.
+    Where the scaling gives both its factor and the original length, the same layer's ``max_position_embeddings``
+    becomes their product: the config then says the length it is stretched to (1,048,576 for 262,144 × 4), and a
+    reader that derives YaRN's factor from that ratio (transformers does) finds the one written.
     """
     out = copy.deepcopy(dict(config))
     layer = out["text_config"] if isinstance(out.get("text_config"), dict) else out
     key = "rope_parameters" if isinstance(layer.get("rope_parameters"), dict) else "rope_scaling"
     current = layer.get(key) if isinstance(layer.get(key), dict) else {}
     layer[key] = {**current, **rope_scaling}
+    factor, original = rope_scaling.get("factor"), rope_scaling.get("original_max_position_embeddings")
+    if all(isinstance(v, int | float) and not isinstance(v, bool) for v in (factor, original)):
+        layer["max_position_embeddings"] = int(original * factor)
     return out
 
 

@@ -541,6 +541,22 @@ def measured_quantities(tidy: Tidy, **boot: Any) -> pd.DataFrame:  # noqa: C901
             rows.append(_q("wmtp_recovery_per_cycle_ms", rec["arm"], recovery, **common))
             rows.append(_q("wmtp_recovery_per_step_ms", rec["arm"], recovery / k, **common))
             rows.append(_q("wmtp_recovery_pct_of_decode", rec["arm"], 100 * recovery / rec["step_nat_ms"], **common))
+        # End to end: the windowed arm's decode rate over the native arm's, acceptance included (its TPOT ratio).
+        for rec in r[r["arm"].isin(an.WINDOWED_ARMS)].to_dict("records"):
+            match = {c: rec.get(c) for c in an.MATCH_KEYS if c in r.columns}
+            native = an.select_rows(r, {"arm": an.NATIVE_ARM, "k": rec.get("k"), "rung": rec["rung"], **match})
+            if native.empty:
+                continue
+            rows.append(
+                _q(
+                    "windowed_decode_speedup",
+                    rec["arm"],
+                    float(rec["decode_tok_s"]) / float(native["decode_tok_s"].iloc[0]),
+                    k=rec.get("k"),
+                    rung=rec["rung"],
+                    **{c: rec.get(c) for c in QUANTITY_KEYS},
+                )
+            )
     out = pd.DataFrame(rows)
     if not out.empty:
         out["value"] = pd.to_numeric(out["value"], errors="coerce")
@@ -564,8 +580,10 @@ def measured_quantities(tidy: Tidy, **boot: Any) -> pd.DataFrame:  # noqa: C901
 
 def _matches(pub: pd.Series, meas: pd.DataFrame) -> pd.DataFrame:
     sel = meas[meas["quantity"] == pub["quantity"]]
-    if "workload" in sel.columns:  # the published studies measured plain prompts, never the copy task
-        sel = sel[sel["workload"].fillna("code") == "code"]
+    if "workload" in sel.columns:  # a number is of the workload it names; of plain code prompts where it names none
+        sel = sel[sel["workload"].fillna("code") == (pub.get("workload") or "code")]
+    if pub.get("model"):
+        sel = sel[sel["model"] == pub["model"]]
     if pub["arm"]:
         sel = sel[sel["arm"] == pub["arm"]]
     for col in ("k", "rung", "rung_from", "position"):
@@ -644,6 +662,7 @@ def published_comparison(tidy: Tidy, published: pd.DataFrame, study: str, **boot
                     "model": m["model"],
                     "engine": m["engine"],
                     "concurrency": m["concurrency"],
+                    "workload": m["workload"],
                     "source_quote": p["source_quote"],
                 }
             )

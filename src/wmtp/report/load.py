@@ -5,12 +5,14 @@ zeros or NaN.
 
 Published numbers (``config/published/*.csv``) are one number per row with the exact sentence they
 come from: ``study, quantity, arm, k, rung, rung_from, position, value, pm, lo, hi, unit, primary,
-source, source_quote``. ``source`` labels which text the quote is from (docs/design.md, "Published
-numbers": ``seed 000`` is the Spark study's write-up, ``seed 001``/``seed 003`` texts on the Windowed-MTP
-paper). ``rung`` is the context the text names (its server-counted prompt tokens where it gives them,
-1,048,576 for the paper's "1M", the rung the studies measure); ``primary`` is false for a rounded
-restatement of a number stated more precisely elsewhere, and for what a text says a change *would* do.
-Percentages are stored as the text writes them (78.7, unit %).
+source, source_quote, model, workload``. ``source`` labels which text the quote is from (docs/design.md,
+"Published numbers": ``seed 000`` is the Spark study's write-up, ``seed 001``/``seed 003`` texts on the
+Windowed-MTP paper, ``artifact README`` the reference results of the paper's public artifact). ``rung`` is the
+context the text names (its server-counted prompt tokens where it gives them, 1,048,576 for the paper's "1M",
+the rung the studies measure); ``primary`` is false for a rounded restatement of a number stated more precisely
+elsewhere, and for what a text says a change *would* do. ``model`` and ``workload`` name the study's model and
+workload a number is of; empty, any model, and the plain code prompts. Percentages are stored as the text
+writes them (78.7, unit %).
 """
 
 from __future__ import annotations
@@ -91,9 +93,14 @@ def load_published(
     if not files:
         return pd.DataFrame()
     frame = pd.concat(
-        [pd.read_csv(f, dtype={"study": str, "quantity": str, "arm": str}) for f in files], ignore_index=True
+        [
+            pd.read_csv(f, dtype={"study": str, "quantity": str, "arm": str, "model": str, "workload": str})
+            for f in files
+        ],
+        ignore_index=True,
     )
-    frame["arm"] = frame["arm"].fillna("")
+    for col in ("arm", "model", "workload"):
+        frame[col] = frame[col].fillna("") if col in frame.columns else ""
     for col in ("k", "rung", "rung_from", "position"):
         frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
     for col in ("value", "pm", "lo", "hi"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -13,7 +14,7 @@ import pytest
 from conftest import REPO, engines_dir
 
 from wmtp.config import ConfigError, load_study, study_from_dict
-from wmtp.engines.vllm import profiler_config, serve_argv
+from wmtp.engines.vllm import prefill_steps, serve_argv
 from wmtp.layout import PROFILE_DIR, TRAINED_CHECKPOINT
 
 
@@ -44,14 +45,24 @@ def test_the_server_is_asked_for_its_torch_profiler_only_when_the_cell_profiles(
 
     plain = ServeRequest(python="python", model_dir="m", served_name="m", port=1, max_model_len=64, draft=cell)
     assert "--profiler-config" not in serve_argv(plain)
+    assert "--max-num-batched-tokens" not in serve_argv(plain)
     traced = ServeRequest(
         python="python", model_dir="m", served_name="m", port=1, max_model_len=64, draft=cell,
-        profile_dir=tmp_path / "p", profile_iterations=6,
+        profile_dir=tmp_path / "p", profile_iterations=6, profile_prompt_tokens=20_000,
     )  # fmt: skip
     argv = serve_argv(traced)
     config = json.loads(argv[argv.index("--profiler-config") + 1])
-    assert config == profiler_config(tmp_path / "p", 6)
     assert config["torch_profiler_dir"] == str((tmp_path / "p").resolve()) and config["max_iterations"] == 6
+    # 20,000 prompt tokens in chunks of 8,192 are three prefill steps; the trace starts at the fourth, a decode.
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192" and config["delay_iterations"] == 4
+    # A chunk the study sets is the one counted, and not set twice.
+    own = serve_argv(replace(traced, engine_args=("--max-num-batched-tokens", "4096")))
+    assert own.count("--max-num-batched-tokens") == 1
+    assert json.loads(own[own.index("--profiler-config") + 1])["delay_iterations"] == 6
+
+
+def test_a_prefill_takes_one_engine_step_a_chunk():
+    assert [prefill_steps(n, 8192) for n in (1, 8192, 8193, 131_072, 1_048_576)] == [1, 1, 2, 16, 128]
 
 
 @pytest.mark.engine

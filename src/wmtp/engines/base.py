@@ -34,6 +34,23 @@ class ServeRequest:
     # Where the engine's profiler writes its traces, and how many engine iterations a start traces (0: off).
     profile_dir: Path | None = None
     profile_iterations: int = 0
+    # The longest prompt a profiled server prefills: the engine lets its prefill steps pass before it traces.
+    profile_prompt_tokens: int = 0
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` in an argv (``--flag v`` or ``--flag=v``); the last one wins, as in argparse."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
 class EngineAdapter(ABC):

@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from wmtp.engines.base import CellRefused, EngineAdapter, ServeRequest
+from wmtp.engines.base import CellRefused, EngineAdapter, ServeRequest, flag_value, has_flag
 
 HEALTH_PATH = "/health"
 # The first sglang release whose server args have both window flags (checked in the 0.5.17–0.5.21
@@ -75,31 +75,16 @@ class RingNotBuilt(SGLangError):
     pass
 
 
-def _flag_value(args: Sequence[str], flag: str) -> str | None:
-    """The value of ``flag`` in an argv (``--flag v`` or ``--flag=v``); the last one wins, as in argparse."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
-def _has_flag(args: Sequence[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
-
-
 def draft_backend(extra_args: Sequence[str]) -> str:
     """The draft attention backend a drafting arm runs with: the study's choice, else FlashInfer."""
-    return _flag_value(extra_args, DRAFT_BACKEND_FLAG) or DEFAULT_DRAFT_BACKEND
+    return flag_value(extra_args, DRAFT_BACKEND_FLAG) or DEFAULT_DRAFT_BACKEND
 
 
 def speculative_args(
     arm: str, k: int, sink: int | None, window: int | None, extra_args: Sequence[str] = ()
 ) -> list[str]:
     """The speculative flags of an arm (empty for ``none``); ``extra_args`` are the study's serve_args."""
-    owned = [flag for flag in ARM_FLAGS if _has_flag(extra_args, flag)]
+    owned = [flag for flag in ARM_FLAGS if has_flag(extra_args, flag)]
     if owned:
         raise SGLangError(
             f"engine/model/arm serve_args set {', '.join(owned)}, which the arm sets; remove them "
@@ -128,7 +113,7 @@ def speculative_args(
         str(k + 1),
     ]
     backend = draft_backend(extra_args)
-    if not _has_flag(extra_args, DRAFT_BACKEND_FLAG):
+    if not has_flag(extra_args, DRAFT_BACKEND_FLAG):
         args += [DRAFT_BACKEND_FLAG, backend]
     if arm == "wmtp":
         if backend not in WINDOW_BACKENDS:

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from wmtp.engines.base import CellRefused, EngineAdapter, ServeRequest
+from wmtp.engines.base import CellRefused, EngineAdapter, ServeRequest, flag_value
 from wmtp.plugin import stats as plugin_stats
 
 HEALTH_PATH = "/health"
@@ -84,20 +84,40 @@ def serve_argv(request: ServeRequest) -> list[str]:
     if extra is not None:
         argv += ["--additional-config", json.dumps(extra, separators=(",", ":"))]
     if r.profile_dir is not None and r.profile_iterations > 0:
-        argv += ["--profiler-config", json.dumps(profiler_config(r.profile_dir, r.profile_iterations))]
+        chunk = flag_value(argv, "--max-num-batched-tokens")
+        if chunk is None:
+            # The prefill's step count must be known before the server starts: the chunk is pinned, not left
+            # to a default that differs by device.
+            chunk = str(PROFILE_PREFILL_CHUNK)
+            argv += ["--max-num-batched-tokens", chunk]
+        skip = prefill_steps(r.profile_prompt_tokens, int(chunk)) + 1
+        argv += ["--profiler-config", json.dumps(profiler_config(r.profile_dir, r.profile_iterations, skip))]
     return argv
 
 
-def profiler_config(directory: Path | str, iterations: int) -> dict[str, Any]:
-    """vLLM's torch profiler, tracing ``iterations`` engine iterations from each start into ``directory``: the
-    engine core's CPU and GPU activity, without Python stacks (their cost would fall on the host-bound cycles
-    it is meant to show) and without the API server's front end."""
+# Tokens a profiled server prefills per engine step, unless the study sets --max-num-batched-tokens itself.
+PROFILE_PREFILL_CHUNK = 8192
+
+
+def prefill_steps(prompt_tokens: int, chunk: int) -> int:
+    """Engine steps a lone request's chunked prefill takes (an MTP draft adds no slots to the step's budget)."""
+    return max(1, -(-prompt_tokens // chunk))
+
+
+def profiler_config(directory: Path | str, iterations: int, skip_steps: int) -> dict[str, Any]:
+    """vLLM's torch profiler, tracing ``iterations`` engine iterations into ``directory`` once ``skip_steps``
+    iterations have passed since each start: the engine core's CPU and GPU activity, without Python stacks (their
+    cost would fall on the host-bound cycles it is meant to show) and without the API server's front end.
+
+    The engine counts the skipped steps itself, so the trace starts in the decode however late the client sees
+    the first token (a busy front end can hold the stream back for seconds)."""
     return {
         "profiler": "torch",
         "torch_profiler_dir": str(Path(directory).resolve()),
         "torch_profiler_with_stack": False,
         "torch_profiler_use_gzip": True,
         "ignore_frontend": True,
+        "delay_iterations": skip_steps,
         "max_iterations": iterations,
         "active_iterations": iterations,
     }

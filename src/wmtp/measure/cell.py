@@ -178,8 +178,9 @@ TRACE_SUFFIX = ".pt.trace.json"
 
 
 class _RequestProfile:
-    """The engine's profiler around one measured request: started at its first token (so the trace holds decode
-    cycles, not the prefill), stopped once the request is done; nothing where ``directory`` is None."""
+    """The engine's profiler around one measured request: started before the request is sent (the engine lets
+    the prefill's steps pass before it traces, so the trace holds decode cycles), stopped once the request is done;
+    nothing where ``directory`` is None."""
 
     def __init__(self, directory: Path | None, engine: EngineAdapter, base_url: str) -> None:
         self.directory, self.engine, self.base_url = directory, engine, base_url
@@ -245,7 +246,6 @@ def _measure(
             if per_request_windows:
                 prefill_w.append(meter.end_window(name + "/prefill"))
                 meter.begin_window(name + "/decode")
-            profile.start()
 
         try:
             if per_request_windows:
@@ -275,6 +275,7 @@ def _measure(
     repeat_window = f"{workload}/rung{rung}/rep{repeat}/all"
     if meter.available and not warmup and len(prompts) > 1:
         meter.begin_window(repeat_window)
+    profile.start()
     for t in threads:
         t.start()
     for t in threads:
@@ -556,6 +557,7 @@ def _build_server(run: CellRun, engine: EngineAdapter, staging: Path, cache_dir:
             arm_args=tuple(study.arm_args(cell)),
             profile_dir=run.profile_dir,
             profile_iterations=run.protocol.profile_iterations,
+            profile_prompt_tokens=max(run.protocol.rungs),
         )
     )
     env = engine.server_env(spec.env, cache_dir.resolve(), short_tmp)

@@ -87,6 +87,18 @@ def test_h200_study_dry_run(tmp_path):
     assert "--max-position-embeddings 1049600" in out.stdout
 
 
+def test_the_h200_profile_study_plans_one_traced_server_per_arm(tmp_path):
+    from wmtp.config import load_study
+
+    study = load_study(REPO / "config" / "studies" / "h200-vllm-profile.yaml")
+    assert study.protocol.profile_iterations == 8 and study.protocol.concurrency == [1]
+    assert sorted(c.arm for c in study.cells()) == ["mtp", "none", "wmtp"]
+    out = run("-n", "--configfile", "config/studies/h200-vllm-profile.yaml", *scratch_dirs(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    jobs = job_counts(out.stdout)
+    assert jobs["piece"] == 3 and jobs["collect_pieces"] == 1
+
+
 def test_bad_config_fails_before_anything_runs(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((REPO / "config" / "config.yaml").read_text().replace("k: [3]", "k: [0]"))

@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 from conftest import REPO, engines_dir
 
+from wmtp.analyze.traces import cell_trace_table
 from wmtp.config import ConfigError, load_study, study_from_dict
 from wmtp.engines.vllm import prefill_steps, serve_argv
 from wmtp.layout import PROFILE_DIR, TRAINED_CHECKPOINT
@@ -111,3 +112,10 @@ def test_each_measured_request_leaves_a_trace_of_its_decode(engine_python, tmp_p
         assert steps and all(re.fullmatch(r"execute_context_0\(0\)_generation_1\(\d+\)", n) for n in steps), steps
         assert len(steps) <= 5
         assert any("attention" in str(e.get("name", "")) for e in events)
+
+    # The trace table reads the same traces: a row per traced request, its steps those of a k-3 draft (1 to 4 tokens
+    # a step), and no device time on the CPU build (the wall time is the host's).
+    table = pd.DataFrame(cell_trace_table([out]))
+    assert len(table) == 2 and set(table["trace"]) == {t for one in traces for t in one}
+    assert table["steps"].between(1, 5).all() and table["tokens_per_step"].between(1, 4).all()
+    assert (table["wall_us"] > 0).all() and (table["device_busy_us"] == 0).all() and set(table["component"]) == {"none"}

@@ -115,6 +115,19 @@ def cmd_iteration_statistic(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace_table(args: argparse.Namespace) -> int:
+    """Profiled cells' traces → one row per (traced request, component): steps, wall, device busy and idle (µs)."""
+    import pandas as pd
+
+    from wmtp.analyze.traces import COLUMNS, cell_trace_table
+
+    rows = cell_trace_table(args.cells)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows, columns=["cell_id", "rung", *COLUMNS]).to_csv(args.out, index=False)
+    logging.getLogger("wmtp.traces").info("wrote %s: %d rows from %d cells", args.out, len(rows), len(args.cells))
+    return 0
+
+
 def cmd_step_table(args: argparse.Namespace) -> int:
     import pandas as pd
 
@@ -321,6 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", default="code")
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_step_table)
+
+    p = sub.add_parser("trace-table", help="profiled cells → each traced decode cycle's time per component, CSV")
+    p.add_argument("cells", type=Path, nargs="+", help="raw cell folders of a profiling study")
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_trace_table)
 
     p = sub.add_parser(
         "iteration-statistic", help="the paper's iteration (TPOT × accept length) from a server log's decode lines"

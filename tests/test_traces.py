@@ -1,0 +1,59 @@
+"""A traced decode cycle split into device time per component, host-bound idle time and wall time per step."""
+
+from __future__ import annotations
+
+import pytest
+
+from wmtp.analyze.traces import TraceError, component_of, cycle_breakdown, trace_rows, union_us
+
+
+def _step(ts: float, dur: float, tokens: int = 4, prefills: int = 0) -> dict:
+    name = f"execute_context_{prefills}({prefills * 100})_generation_1({tokens})"
+    return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
+
+
+def _kernel(name: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+
+def test_kernels_are_counted_under_the_component_their_name_says():
+    assert component_of("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<256, 64>>") == "attention"
+    assert component_of("fused_recurrent_gated_delta_rule_fwd_kernel") == "gated deltanet"
+    assert component_of("_causal_conv1d_update_kernel") == "gated deltanet"
+    assert component_of("fused_moe_kernel") == "moe"
+    assert component_of("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT") == "gemm"
+    assert component_of("Memcpy DtoD (Device -> Device)") == "memory"
+    assert component_of("triton_red_fused_rms_norm_0") == "other"
+
+
+def test_overlapping_device_events_count_once():
+    assert union_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
+    assert union_us([]) == 0
+
+
+def test_a_cycle_splits_into_components_busy_and_idle_per_step():
+    # Two steps on the host, 0-100 and 100-200; the second step's kernels run until 260 (the device lags the host).
+    events = [
+        _step(0, 100),
+        _step(100, 100),
+        _kernel("flash_fwd_kernel", 10, 40),
+        _kernel("fused_moe_kernel", 40, 30),  # overlaps the attention kernel by 10 µs (another stream)
+        _kernel("flash_fwd_kernel", 150, 60),
+        _kernel("nvjet_gemm", 230, 30),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 5, "dur": 50},  # host work: not device time
+    ]
+    out = cycle_breakdown(events)
+    assert out["steps"] == 2 and out["tokens_per_step"] == 4
+    assert out["wall_us"] == 130  # (260 - 0) / 2
+    assert out["device_busy_us"] == (60 + 60 + 30) / 2
+    assert out["device_idle_us"] == (260 - 150) / 2
+    assert out["components"] == {"attention": 50.0, "gemm": 15.0, "moe": 15.0}
+    rows = trace_rows("t.json", out)
+    assert [r["component"] for r in rows] == ["attention", "gemm", "moe"] and rows[0]["wall_us"] == 130
+
+
+def test_a_trace_that_caught_a_prefill_or_no_step_is_refused():
+    with pytest.raises(TraceError, match="prefills: the profiler started before the prefill ended"):
+        cycle_breakdown([_step(0, 100, prefills=1), _step(100, 50)])
+    with pytest.raises(TraceError, match="no engine step"):
+        cycle_breakdown([_kernel("flash_fwd_kernel", 0, 10)])

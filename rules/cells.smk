@@ -14,6 +14,7 @@ rule cell:
         power=RAW_CELL / layout.POWER_FILE,
         server_log=RAW_CELL / layout.SERVER_LOG,
         manifest=RAW_CELL / layout.MANIFEST_FILE,
+        **profile_output(RAW_CELL),
     log:
         LOGS / layout.CELL_LOGS_DIR / "{cell}.log",
     params:

@@ -263,12 +263,29 @@ def step_files():
     return [layout.step_file(RESULTS, model, engine) for model, engine in keys]
 
 
+# A profiling study's cells and pieces also leave their engine's traces (protocol.profile_iterations).
+PROFILED = STUDY.protocol.profile_iterations > 0
+
+
+def profile_output(raw):
+    """The traces folder among a cell's or a piece's outputs, where the study profiles."""
+    return {"profile": directory(raw / layout.PROFILE_DIR)} if PROFILED else {}
+
+
+def traced_manifests():
+    """The manifests of the cells, or of the listed pieces, whose traces the trace table reads."""
+    if PIECES:
+        return [m for group in piece_groups() for m in piece_manifests(group)]
+    return cell_manifests()
+
+
 def all_targets():
     """The report and everything it is made from that a person reads: Snakemake makes an intermediate file again
     only when something asks for it, so the tables are targets too (removed, a plain run makes them again). A study
     measured in pieces makes its step files and each group's tables instead: its cells are never whole, so it has
     no tables of whole cells for a report."""
+    traces = [layout.trace_file(RESULTS)] if PROFILED else []
     if PIECES:
         groups = [file for group in piece_groups() for file in layout.piece_tidy_files(RESULTS, group)]
-        return [RESOLVED_CONFIG, *step_files(), *groups]
-    return [layout.report_file(RESULTS), RESOLVED_CONFIG, *tidy_tables(), *derived_tables()]
+        return [RESOLVED_CONFIG, *step_files(), *groups, *traces]
+    return [layout.report_file(RESULTS), RESOLVED_CONFIG, *tidy_tables(), *derived_tables(), *traces]

@@ -14,6 +14,7 @@ rule piece:
         power=RAW_PIECE / layout.POWER_FILE,
         server_log=RAW_PIECE / layout.SERVER_LOG,
         manifest=RAW_PIECE / layout.MANIFEST_FILE,
+        **profile_output(RAW_PIECE),
     log:
         layout.piece_log(RESULTS, "{group}", "{cell}"),
     params:
@@ -85,3 +86,24 @@ rule step_table:
     shell:
         "{params.py} -m wmtp --log {log:q} step-table --tidy {params.tidy:q} --manifests {input.manifests:q} "
         "--model {wildcards.model:q} --engine {wildcards.engine:q} --out {output:q}"
+
+
+# A profiling study's traced decode cycles: every measured request's traces, split per component.
+rule trace_table:
+    input:
+        manifests=traced_manifests(),
+        requests=[m.parent / layout.REQUESTS_FILE for m in traced_manifests()],
+        traces=[m.parent / layout.PROFILE_DIR for m in traced_manifests()],
+        code=source_files("analyze"),
+    output:
+        layout.trace_file(RESULTS),
+    log:
+        LOGS / "traces.log",
+    params:
+        py=PY,
+        cells=[m.parent for m in traced_manifests()],
+    localrule: True
+    conda:
+        "../envs/pipeline.yaml"
+    shell:
+        "{params.py} -m wmtp --log {log:q} trace-table {params.cells:q} --out {output:q}"

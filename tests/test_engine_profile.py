@@ -6,17 +6,19 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 from conftest import REPO, engines_dir
 
-from wmtp.analyze.traces import cell_trace_table
 from wmtp.config import ConfigError, load_study, study_from_dict
 from wmtp.engines.vllm import prefill_steps, serve_argv
-from wmtp.layout import PROFILE_DIR, TRAINED_CHECKPOINT
+from wmtp.layout import PROFILE_DIR, trace_file
 
 
 def _raw(tmp_path: Path, **protocol: object) -> dict:
@@ -69,11 +71,7 @@ def test_a_prefill_takes_one_engine_step_a_chunk():
 @pytest.mark.engine
 @pytest.mark.timeout(900)
 def test_each_measured_request_leaves_a_trace_of_its_decode(engine_python, tmp_path):
-    from wmtp.measure.cell import CellRun, run_cell
-    from wmtp.model.train import install_fixture
-
-    model_dir = tmp_path / "model"
-    install_fixture(model_dir, TRAINED_CHECKPOINT, seed=0)
+    """Through Snakemake: the cell rule keeps the traces among its outputs, and rule trace_table reads them."""
     raw = _raw(
         tmp_path,
         rungs=[1024],
@@ -83,17 +81,20 @@ def test_each_measured_request_leaves_a_trace_of_its_decode(engine_python, tmp_p
         profile_iterations=4,
         workloads=["code"],
     )
-    raw.update(models=[{"name": "tiny", "path": str(model_dir), "max_model_len": 4096}])
+    raw.update(models_dir=str(tmp_path / "models"))
     raw["arms"] = [{"name": "wmtp", "k": [3], "sink": [16], "window": [256]}]
+    study_file = tmp_path / "profiled.yaml"
+    study_file.write_text(yaml.safe_dump(raw))
     study = study_from_dict(raw, base_dir=tmp_path)
     (cell,) = study.cells()
-    manifest = json.loads((engines_dir() / study.engine(cell.engine).name / "manifest.json").read_text())
+    traces_csv = trace_file(tmp_path / "results" / "profiled")
+    snakemake = [sys.executable, "-m", "snakemake", "--cores", "2", "--resources", "gpu=1", "--nolock"]
+    done = subprocess.run(
+        [*snakemake, "--configfile", str(study_file), "--", str(traces_csv)],
+        cwd=REPO, capture_output=True, text=True, timeout=840,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = tmp_path / "results" / "profiled" / "raw" / cell.cell_id
-    # The engine's own cache, as the pipeline's cells share it: vLLM inspects the model's classes once.
-    cache_dir = engines_dir() / study.engine(cell.engine).name / "cache"
-    run_cell(
-        CellRun(study=study, cell=cell, out_dir=out, engine_manifest=manifest, model_dir=model_dir, cache_dir=cache_dir)
-    )
 
     requests = pd.read_parquet(out / "requests.parquet")
     measured = requests[~requests["warmup"]]
@@ -115,7 +116,7 @@ def test_each_measured_request_leaves_a_trace_of_its_decode(engine_python, tmp_p
 
     # The trace table reads the same traces: a row per traced request, its steps those of a k-3 draft (1 to 4 tokens
     # a step), and no device time on the CPU build (the wall time is the host's).
-    table = pd.DataFrame(cell_trace_table([out]))
+    table = pd.read_csv(traces_csv)
     assert len(table) == 2 and set(table["trace"]) == {t for one in traces for t in one}
     assert table["steps"].between(1, 5).all() and table["tokens_per_step"].between(1, 4).all()
     assert (table["wall_us"] > 0).all() and (table["device_busy_us"] == 0).all() and set(table["component"]) == {"none"}

@@ -49,6 +49,7 @@ MANIFEST_FILE = "manifest.json"
 RAW_SUCCESS_FILES = (REQUESTS_FILE, COUNTERS_FILE, ENERGY_FILE, POWER_FILE, SERVER_LOG, MANIFEST_FILE)
 # A profiling study's cell also leaves the engine's traces here, one file per traced request (gzip'd JSON).
 PROFILE_DIR = "profile"
+TRACES_FILE = "traces.csv"
 FAILURE_FILE = "failure.json"
 SERVER_FAILED_LOG = "server.failed.log"
 
@@ -262,6 +263,11 @@ def piece_tidy_files(results: Path, group: str) -> list[Path]:
 def step_file(results: Path, model: str, engine: str) -> Path:
     """The decode cycle per shape of one model's pieces on one engine (``wmtp step-table``)."""
     return results / STEPS_DIR / f"{model}~{engine}.csv"
+
+
+def trace_file(results: Path) -> Path:
+    """A profiling study's traced decode cycles, per request and component (``wmtp trace-table``)."""
+    return results / TRACES_FILE
 
 
 def admission_file(results: Path, model: str, engine: str) -> Path:

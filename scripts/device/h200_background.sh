@@ -160,7 +160,8 @@ follow() {
     done
     # A profiling study's trace table, beside its traces in raw.tar.gz.
     for traces in results/*/traces.csv; do
-      [ -f "$traces" ] && cp "$traces" "$OUT/traces-$(basename "$(dirname "$traces")").csv"
+      [ -f "$traces" ] || continue
+      cp "$traces" "$OUT/traces-$(basename "$(dirname "$traces")").csv"
     done
     # Triton's kernels alone come back (the GDN kernels' JIT is the longest part of a cold start); vLLM's
     # torch.compile artefacts, hundreds of MiB over the pieces, stay on the machine.

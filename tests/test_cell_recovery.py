@@ -38,6 +38,14 @@ def test_a_complete_staging_of_a_dead_run_is_adopted_not_measured_again(tmp_path
     assert all((tmp_path / name).exists() for name in layout.RAW_SUCCESS_FILES)
 
 
+def test_an_adopted_staging_keeps_the_traces_of_a_profiled_cell(tmp_path):
+    staging = _finished_staging(tmp_path, _dead_pid(), "abc")
+    (staging / layout.PROFILE_DIR).mkdir()
+    (staging / layout.PROFILE_DIR / "rank0.1.pt.trace.json.gz").write_bytes(b"trace")
+    assert cell_mod.recover_staging(tmp_path, "abc")
+    assert (tmp_path / layout.PROFILE_DIR / "rank0.1.pt.trace.json.gz").read_bytes() == b"trace"
+
+
 def test_finished_measurements_of_another_identity_are_kept_aside(tmp_path):
     pid = _dead_pid()
     _finished_staging(tmp_path, pid, "old")

@@ -17,6 +17,7 @@ import yaml
 from conftest import REPO, engines_dir
 
 from wmtp.config import ConfigError, load_study, study_from_dict
+from wmtp.engines.base import CellRefused
 from wmtp.engines.vllm import prefill_steps, serve_argv
 from wmtp.layout import PROFILE_DIR, trace_file
 
@@ -56,12 +57,15 @@ def test_the_server_is_asked_for_its_torch_profiler_only_when_the_cell_profiles(
     argv = serve_argv(traced)
     config = json.loads(argv[argv.index("--profiler-config") + 1])
     assert config["torch_profiler_dir"] == str((tmp_path / "p").resolve()) and config["max_iterations"] == 6
-    # 20,000 prompt tokens in chunks of 8,192 are three prefill steps; the trace starts at the fourth, a decode.
-    assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192" and config["delay_iterations"] == 4
+    # 20,000 prompt tokens in chunks of 8,192 are three prefill steps; the trace starts at the second decode step.
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "8192" and config["delay_iterations"] == 5
     # A chunk the study sets is the one counted, and not set twice.
     own = serve_argv(replace(traced, engine_args=("--max-num-batched-tokens", "4096")))
     assert own.count("--max-num-batched-tokens") == 1
-    assert json.loads(own[own.index("--profiler-config") + 1])["delay_iterations"] == 6
+    assert json.loads(own[own.index("--profiler-config") + 1])["delay_iterations"] == 7
+    # A chunk the engine would read but the cell cannot count is refused before any server starts.
+    with pytest.raises(CellRefused, match=r"--max-num-batched-tokens '8k': a profiled server needs it as a plain"):
+        serve_argv(replace(traced, engine_args=("--max-num-batched-tokens=8k",)))
 
 
 def test_a_prefill_takes_one_engine_step_a_chunk():

@@ -41,6 +41,8 @@ def test_a_cycle_splits_into_components_busy_and_idle_per_step():
         _kernel("flash_fwd_kernel", 150, 60),
         _kernel("nvjet_gemm", 230, 30),
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 5, "dur": 50},  # host work: not device time
+        # The same annotation on the device's timeline, as a GPU trace records it: not a step of its own.
+        {**_step(12, 60), "cat": "gpu_user_annotation"},
     ]
     out = cycle_breakdown(events)
     assert out["steps"] == 2 and out["tokens_per_step"] == 4

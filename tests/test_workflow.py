@@ -97,6 +97,13 @@ def test_the_h200_profile_study_plans_one_traced_server_per_arm(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     jobs = job_counts(out.stdout)
     assert jobs["piece"] == 3 and jobs["collect_pieces"] == 1
+    # What h200_background.sh asks for once every piece is there: the step file and the trace table.
+    listed = subprocess.run(
+        [sys.executable, "-m", "wmtp", "pieces", "--config", "config/studies/h200-vllm-profile.yaml", "--step-files"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    assert [Path(line).name for line in listed.stdout.split()] == ["qwen3.6-35b-a3b~vllm.csv", "traces.csv"]
 
 
 def test_bad_config_fails_before_anything_runs(tmp_path):

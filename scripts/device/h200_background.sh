@@ -95,7 +95,7 @@ start() {
   echo $! >"$state/pid"
 }
 
-run_pieces() { # in the background: each piece in turn, then the step files where every listed piece is there
+run_pieces() { # in the background: each piece in turn, then the step files (and any trace table) once every listed piece is there
   local deadline=$1 study=$2 target started missing=0
   workflow_env
   while IFS= read -r target; do

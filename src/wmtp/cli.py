@@ -164,6 +164,8 @@ def cmd_pieces(args: argparse.Namespace) -> int:
     if args.step_files:
         for model, engine in sorted({(p.cell.model, p.cell.engine) for p in pieces}):
             print(layout.step_file(results, model, engine))
+        if study.protocol.profile_iterations:
+            print(layout.trace_file(results))
         return 0
     chosen = select_pieces(pieces, args.arms, args.k, args.windows, args.servers, args.rungs)
     if not chosen:
@@ -319,7 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, nargs="+", default=[], help="of the windowed arms' pieces, only these W")
     p.add_argument("--servers", type=int, nargs="+", default=[], help="only these of each configuration's servers")
     p.add_argument("--rungs", type=int, nargs="+", default=[], help="only the pieces over exactly these rungs")
-    p.add_argument("--step-files", action="store_true", help="print the step files the pieces make instead")
+    p.add_argument(
+        "--step-files",
+        action="store_true",
+        help="print the step files the pieces make instead (and a profiling study's trace table)",
+    )
     p.set_defaults(func=cmd_pieces)
 
     p = sub.add_parser("step-table", help="tidy tables → the decode cycle per (arm, k, S, W, context, batch), CSV")

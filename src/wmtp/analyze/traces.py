@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from wmtp.layout import REQUESTS_FILE
+
 STEP = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
+HOST_ANNOTATION = "user_annotation"
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 # A kernel's component by its name, first match first: FlashAttention and FlashInfer for full attention, the
 # Gated DeltaNet's recurrent and convolution kernels, the fused MoE's experts and routing, the dense GEMMs
@@ -32,6 +36,7 @@ COMPONENTS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("memory", re.compile(r"memcpy|memset", re.I)),
 )
 OTHER = "other"
+log = logging.getLogger(__name__)
 COLUMNS = ["trace", "steps", "tokens_per_step", "wall_us", "device_busy_us", "device_idle_us", "component", "us"]
 
 
@@ -57,7 +62,11 @@ def union_us(intervals: Iterable[tuple[float, float]]) -> float:
 
 def decode_steps(events: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The trace's engine steps, in time order; a step that prefills is refused (the trace was meant to hold decode)."""
-    steps = sorted((e for e in events if STEP.fullmatch(str(e.get("name", "")))), key=lambda e: float(e["ts"]))
+    # On a GPU the annotation is also recorded on the device's timeline (gpu_user_annotation): the host's is the step.
+    steps = sorted(
+        (e for e in events if e.get("cat") == HOST_ANNOTATION and STEP.fullmatch(str(e.get("name", "")))),
+        key=lambda e: float(e["ts"]),
+    )
     for step in steps:
         prefills = int(STEP.fullmatch(str(step["name"])).group(1))  # type: ignore[union-attr]
         if prefills:
@@ -110,11 +119,17 @@ def cell_trace_table(cell_dirs: Iterable[Path]) -> list[dict[str, Any]]:
 
     rows: list[dict[str, Any]] = []
     for cell_dir in cell_dirs:
-        requests = pd.read_parquet(cell_dir / "requests.parquet")
+        requests = pd.read_parquet(cell_dir / REQUESTS_FILE)
         if "profile_traces" not in requests:
             raise TraceError(f"{cell_dir}: its requests were not profiled (no profile_traces column)")
         for request in requests[~requests["warmup"]].itertuples():
-            for name in request.profile_traces if request.profile_traces is not None else ():
+            names = list(request.profile_traces) if request.profile_traces is not None else []
+            if not names:
+                log.warning(
+                    "%s: a request at rung %d left no trace (it ended before the engine's skipped and traced steps)",
+                    cell_dir, request.rung,
+                )  # fmt: skip
+            for name in names:
                 breakdown = cycle_breakdown(read_trace(cell_dir / name))
                 for row in trace_rows(str(name), breakdown):
                     rows.append({"cell_id": request.cell_id, "rung": request.rung, **row})

@@ -90,7 +90,13 @@ def serve_argv(request: ServeRequest) -> list[str]:
             # to a default that differs by device.
             chunk = str(PROFILE_PREFILL_CHUNK)
             argv += ["--max-num-batched-tokens", chunk]
-        skip = prefill_steps(r.profile_prompt_tokens, int(chunk)) + 1
+        if not chunk.isdigit():
+            raise CellRefused(
+                f"--max-num-batched-tokens {chunk!r}: a profiled server needs it as a plain number of tokens, to "
+                "count the prefill's steps"
+            )
+        # The first decode step is skipped too: its host work starts while the last prefill chunk's kernels run.
+        skip = prefill_steps(r.profile_prompt_tokens, int(chunk)) + 2
         argv += ["--profiler-config", json.dumps(profiler_config(r.profile_dir, r.profile_iterations, skip))]
     return argv
 

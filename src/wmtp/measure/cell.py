@@ -483,6 +483,9 @@ def recover_staging(out_dir: Path, identity_hash_now: str) -> bool:
                 if json.loads(manifest_file.read_text()).get("identity_hash") == identity_hash_now and all(
                     (staging / name).exists() for name in layout.RAW_SUCCESS_FILES
                 ):
+                    if (staging / layout.PROFILE_DIR).is_dir():
+                        shutil.rmtree(out_dir / layout.PROFILE_DIR, ignore_errors=True)
+                        os.replace(staging / layout.PROFILE_DIR, out_dir / layout.PROFILE_DIR)
                     for name in layout.RAW_SUCCESS_FILES:  # manifest last
                         os.replace(staging / name, out_dir / name)
                     shutil.rmtree(staging, ignore_errors=True)

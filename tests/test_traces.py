@@ -41,15 +41,17 @@ def test_a_cycle_splits_into_components_busy_and_idle_per_step():
         _kernel("flash_fwd_kernel", 150, 60),
         _kernel("nvjet_gemm", 230, 30),
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 5, "dur": 50},  # host work: not device time
+        # Launched before the trace: 5 of its 15 µs fall inside it, the rest is the untraced step's.
+        _kernel("fused_moe_kernel", -10, 15),
         # The same annotation on the device's timeline, as a GPU trace records it: not a step of its own.
         {**_step(12, 60), "cat": "gpu_user_annotation"},
     ]
     out = cycle_breakdown(events)
     assert out["steps"] == 2 and out["tokens_per_step"] == 4
     assert out["wall_us"] == 130  # (260 - 0) / 2
-    assert out["device_busy_us"] == (60 + 60 + 30) / 2
-    assert out["device_idle_us"] == (260 - 150) / 2
-    assert out["components"] == {"attention": 50.0, "gemm": 15.0, "moe": 15.0}
+    assert out["device_busy_us"] == (5 + 60 + 60 + 30) / 2
+    assert out["device_idle_us"] == (260 - 155) / 2
+    assert out["components"] == {"attention": 50.0, "gemm": 15.0, "moe": 17.5}
     rows = trace_rows("t.json", out)
     assert [r["component"] for r in rows] == ["attention", "gemm", "moe"] and rows[0]["wall_us"] == 130
 

@@ -80,16 +80,21 @@ def cycle_breakdown(events: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     steps = decode_steps(events)
     if not steps:
         raise TraceError("the trace holds no engine step")
-    device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
     start = float(steps[0]["ts"])
-    end = max([float(s["ts"]) + float(s["dur"]) for s in steps] + [float(e["ts"]) + float(e["dur"]) for e in device])
+    # A kernel the untraced step before launched can still run when the trace starts: only its part inside counts.
+    device = [
+        (str(e.get("name", "")), max(float(e["ts"]), start), float(e["ts"]) + float(e["dur"]))
+        for e in events
+        if e.get("cat") in DEVICE_CATEGORIES and "dur" in e and float(e["ts"]) + float(e["dur"]) > start
+    ]
+    end = max([float(s["ts"]) + float(s["dur"]) for s in steps] + [stop for _, _, stop in device])
     n = len(steps)
     tokens = [int(STEP.fullmatch(str(s["name"])).group(4)) for s in steps]  # type: ignore[union-attr]
-    busy = union_us((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in device)
+    busy = union_us((begin, stop) for _, begin, stop in device)
     components: dict[str, float] = {}
-    for e in device:
-        name = component_of(str(e.get("name", "")))
-        components[name] = components.get(name, 0.0) + float(e["dur"]) / n
+    for kernel, begin, stop in device:
+        name = component_of(kernel)
+        components[name] = components.get(name, 0.0) + (stop - begin) / n
     return {
         "steps": n,
         "tokens_per_step": sum(tokens) / n,

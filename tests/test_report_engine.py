@@ -77,6 +77,23 @@ def test_a_growth_below_its_floor_is_flagged_within_or_across_servers():
     assert "1 within a server" in sentence
 
 
+def test_two_plugins_at_the_same_contexts_are_grown_apart():
+    """A window set per forward and one set per cycle, each at 512K and 1M: each grows from its own shorter row,
+    never from the other plugin's row at the same context."""
+    rows = [
+        _row("wmtp", context, ms, ms, 0.01, window_anchor=anchor, growth_ms=growth, growth_floor_ms=2.2,
+             growth_servers=2)
+        for anchor, at_512k, at_1m in (("forward", 11.6, 14.8), ("cycle", 12.1, 14.7))
+        for context, ms, growth in ((524288, at_512k, None), (1048576, at_1m, at_1m - at_512k))
+    ]  # fmt: skip
+    frame = engine_steps.growth_check_section(pd.DataFrame(rows)).frame
+    assert list(zip(frame["series"], frame["from → to"], strict=True)) == [
+        ("wmtp k=3 S=16 W=4096, window per forward", "524K → 1M"),
+        ("wmtp k=3 S=16 W=4096, window per cycle", "524K → 1M"),
+    ]
+    assert frame["growth (ms)"].tolist() == pytest.approx([3.2, 2.6])
+
+
 def test_a_step_file_without_growth_servers_says_so_and_one_without_growth_shows_nothing():
     old = _steps().drop(columns="growth_servers")
     assert set(engine_steps.growth_check_section(old).frame["check"].str.split(", ").str[1]) == {"not recorded"}

@@ -229,8 +229,12 @@ def _count(n: int, noun: str) -> str:
 
 
 def _series(row: pd.Series) -> str:
-    """'none', 'mtp k=3', 'wmtp k=3 S=16 W=4096': the step file's arm and draft settings, as the figures name them."""
-    return series_label({"arm": row.get("arm"), "k": row.get("k"), "sink": row.get("S"), "window": row.get("W")})
+    """'none', 'mtp k=3', 'wmtp k=3 S=16 W=4096': the step file's arm and draft settings, as the figures name them;
+    a windowed row whose plugin recorded where it set the window adds it ('…, window per cycle'), since two plugins
+    that differ there are never pooled."""
+    label = series_label({"arm": row.get("arm"), "k": row.get("k"), "sink": row.get("S"), "window": row.get("W")})
+    anchor = row.get("window_anchor")
+    return f"{label}, window per {anchor}" if isinstance(anchor, str) and anchor else label
 
 
 def _numeric(frame: pd.DataFrame, column: str) -> pd.Series:

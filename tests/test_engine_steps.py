@@ -84,23 +84,29 @@ def test_nothing_to_show_without_a_step_file():
 
 
 def test_the_committed_h200_steps_are_the_engines_clock_over_several_servers():
-    """The real-engine file as committed: every arm at 128K, 512K and 1M, timed by the engine's clock, mtp and wmtp
-    from three servers at 128K and at least two elsewhere, every cycle above its byte floor, the window applied in
-    every wmtp row, and every growth timed within a server above its extra bytes, 512K to 1M in each arm."""
+    """The real-engine file as committed: every arm at 128K, 512K and 1M for each plugin (the window set per forward
+    and per cycle), timed by the engine's clock, mtp from three servers or more at 128K and 1M and every drafting arm
+    from at least two, every cycle above its byte floor, the window applied in every wmtp row, and every growth timed
+    within a server above its extra bytes: 512K to 1M in each arm, 128K to 512K in each arm but the per-forward
+    plugin's wmtp."""
     path = ROOT / "measurements" / "h200" / "vllm_qwen3.6-35b-a3b.csv"
     steps = load_engine_steps([path])
     assert (steps["clock"] == "engine").all() and (steps["over_floor"] > 1).all()
-    frame = engine_step_section(steps, None).frame.set_index("tokens")
-    assert list(frame.index) == [131072, 524288, 1048576] and (frame["clock"] == "engine").all()
-    assert pd.notna(frame.loc[131072, "none (ms)"]) and (frame["windowed draft forwards (server)"] > 0).all()
-    servers = {tokens: [int(n) for n in s.split("/")[1:]] for tokens, s in frame["servers none/mtp/wmtp"].items()}
-    assert min(servers[131072]) >= 3 and all(min(n) >= 2 for n in servers.values())
+    frame = engine_step_section(steps, None).frame
+    assert (frame["clock"] == "engine").all() and (frame["windowed draft forwards (server)"] > 0).all()
+    for _, plugin in frame.groupby("wmtp window set per"):
+        assert plugin["tokens"].tolist() == [131072, 524288, 1048576]
+        servers = [[int(n) for n in s.split("/")] for s in plugin["servers none/mtp/wmtp"]]
+        assert all(min(mtp, wmtp) >= 2 for _, mtp, wmtp in servers)
+        assert servers[0][1] >= 3 and servers[-1][1] >= 3
     assert (frame["ratio_lo"] <= frame["engine mtp / wmtp"]).all()
     assert (frame["engine mtp / wmtp"] <= frame["ratio_hi"]).all()
     assert steps.groupby("arm")["context"].nunique().to_dict() == {"none": 3, "mtp": 3, "wmtp": 3}
     within = steps[steps["growth_servers"] > 0]
     assert (within["growth_ms"] > within["growth_floor_ms"]).all()
-    assert set(within.loc[within["context"] == 1048576, "arm"]) == {"none", "mtp", "wmtp"}
+    anchors = within["arm"] + within["window_anchor"].fillna("").map(lambda a: f" per {a}" if a else "")
+    assert set(anchors[within["context"] == 1048576]) == {"none", "mtp", "wmtp per forward", "wmtp per cycle"}
+    assert set(anchors[within["context"] == 524288]) == {"none", "mtp", "wmtp per cycle"}
 
 
 def test_a_replica_table_from_before_the_batch_sweep_is_read_as_one_request(tmp_path):

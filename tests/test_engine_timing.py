@@ -153,6 +153,41 @@ def test_the_step_file_takes_the_median_of_server_medians_with_their_spread_and_
     assert at_1m["ratio_lo"] == at_1m["ratio_hi"] == pytest.approx(17.0 / 15.0) and at_1m["resolved"]
 
 
+def test_servers_on_one_gpu_give_the_ratio_without_the_machines_spread():
+    """Two GPUs: the first slower for mtp than the second. Over every pairing the ratio's range holds 1; over the
+    pairings on one GPU (mtp and wmtp side by side) it does not."""
+    gpus = {1: "GPU-18254e42-c8c8", 2: "GPU-18254e42-c8c8", 3: "GPU-cf466104-12f8"}
+    cycles = {1: (11.7, None), 2: (10.5, None), 3: (9.1, 8.9)}
+    rows = [
+        {**_request(server, arm, 131072, ms, 4.3), "gpu_uuid": gpus[server]}
+        for server, pair in cycles.items()
+        for arm, ms in zip(("mtp", "wmtp"), pair, strict=True)
+        if ms is not None
+    ]
+    rows.append({**_request(4, "wmtp", 131072, 11.0, 4.3), "gpu_uuid": gpus[1]})
+    requests = pd.DataFrame(rows)
+    rungs = requests[["cell_id", "workload", "rung"]].drop_duplicates().assign(tok_per_verify=1.0)
+    table = step_table(requests, rungs, "0.24.0")
+    mtp = table[table["arm"] == "mtp"].iloc[0]
+    assert mtp["server_gpus"] == "18254e42;18254e42;cf466104" and mtp["gpus"] == 2
+    ratio = server_ratio(table, "mtp", "wmtp").iloc[0]
+    assert ratio["ratio_lo"] < 1 < ratio["ratio_hi"]
+    # one GPU: 11.7 / 11.0 and 10.5 / 11.0 on the first, 9.1 / 8.9 on the second
+    assert ratio["same_gpu_pairs"] == 3
+    assert (ratio["same_gpu_lo"], ratio["same_gpu_hi"]) == pytest.approx((10.5 / 11.0, 11.7 / 11.0))
+    assert ratio["same_gpu"] == pytest.approx(9.1 / 8.9)
+
+
+def test_a_step_file_without_gpus_has_no_same_gpu_ratio():
+    rows = [_request(1, "mtp", 131072, 10.0, 4.3), _request(1, "wmtp", 131072, 9.0, 4.3)]
+    requests = pd.DataFrame(rows)
+    rungs = requests[["cell_id", "workload", "rung"]].drop_duplicates().assign(tok_per_verify=1.0)
+    table = step_table(requests, rungs, "0.24.0")
+    assert set(table["gpus"]) == {0}
+    ratio = server_ratio(table, "mtp", "wmtp").iloc[0]
+    assert ratio["same_gpu_pairs"] == 0 and math.isnan(ratio["same_gpu"])
+
+
 def test_a_revision_told_wins_over_a_copys_git(monkeypatch):
     monkeypatch.setenv(cell.REVISION_ENV, "a6ac412")
     assert cell.git_revision() == "a6ac412 (told)"

@@ -39,6 +39,8 @@ COLUMNS = [
     "servers",
     "server_step_ms",
     "server_spread",
+    "server_gpus",
+    "gpus",
     "clock",
     "client_step_ms",
     "clock_disagreement_max",
@@ -159,6 +161,7 @@ def _server_rows(kept: pd.DataFrame, rungs: pd.DataFrame, engine_version: str) -
                 "disagreement": _column(group, "clock_disagreement"),
                 "floors": _column(group, "floor_ms"),
                 "gpu_name": first.get("gpu_name"),
+                "gpu": short_gpu_id(first.get("gpu_uuid")),
                 "gaps": [g for one in gap_lists if one for g in one],
                 "cycles": [
                     c
@@ -189,6 +192,13 @@ def _server_rows(kept: pd.DataFrame, rungs: pd.DataFrame, engine_version: str) -
     return rows
 
 
+def short_gpu_id(uuid: object) -> str:
+    """'GPU-cf466104-12f8-…' → 'cf466104': enough to tell a study's GPUs apart; empty where none was recorded."""
+    if not isinstance(uuid, str) or not uuid:
+        return ""
+    return uuid.removeprefix("GPU-").split("-")[0]
+
+
 def _one(series: pd.Series, key: tuple) -> float:
     """The value at ``key``; NaN where there is none, or more than one (two servers under one key)."""
     try:
@@ -215,6 +225,7 @@ def _shape_row(parts: list[dict]) -> dict:
     first = parts[0]
     steps, cycles, gaps = _numbers(parts, "steps"), _numbers(parts, "cycles"), _numbers(parts, "gaps")
     by_server = {p["server"]: float(pd.Series(p["steps"]).median()) for p in parts if p["steps"]}
+    gpu_of = {p["server"]: p["gpu"] for p in parts if p["steps"]}
     server_steps = list(by_server.values())
     step = float(pd.Series(server_steps).median()) if server_steps else math.nan
     chunked = [pair for p in parts for pair in p["chunked"]]
@@ -232,6 +243,9 @@ def _shape_row(parts: list[dict]) -> dict:
         "server_step_ms": ";".join(f"{v:.3f}" for v in server_steps),
         # The servers' median cycles, highest over lowest less 1: what two servers configured alike differ by.
         "server_spread": max(server_steps) / min(server_steps) - 1 if len(server_steps) > 1 else math.nan,
+        # Each server's GPU, in server_step_ms's order: servers on one GPU compare without the machines' own spread.
+        "server_gpus": ";".join(gpu_of[server] for server in by_server),
+        "gpus": len({gpu for gpu in gpu_of.values() if gpu}),
         "clock": clocks.pop() if len(clocks) == 1 else "mixed",
         "client_step_ms": _median(_numbers(parts, "client_steps")),
         "clock_disagreement_max": float(disagreement.abs().max()) if len(disagreement) else math.nan,
@@ -342,7 +356,9 @@ def server_ratio(table: pd.DataFrame, numerator: str, denominator: str, **where:
 
     ``ratio`` is of the medians of the servers' median cycles; ``ratio_lo`` and ``ratio_hi`` the lowest and highest
     ratio of one server of each (equal to ``ratio`` with one server each); ``resolved`` says whether that range
-    leaves 1 out. ``where`` narrows both arms' rows (k=3, W=4096 …).
+    leaves 1 out. ``same_gpu``, ``same_gpu_lo`` and ``same_gpu_hi`` are the median, lowest and highest ratio over
+    the pairings whose two servers ran on one GPU (``same_gpu_pairs`` of them; NaN where none did): GPUs of one
+    model have differed by more than the arms. ``where`` narrows both arms' rows (k=3, W=4096 …).
     """
     rows = []
     selected = table
@@ -355,6 +371,16 @@ def server_ratio(table: pd.DataFrame, numerator: str, denominator: str, **where:
         a, b = (_servers(frame.iloc[0]) for frame in (num, den))
         ratio = float(num["step_ms"].iloc[0]) / float(den["step_ms"].iloc[0])
         lo, hi = min(a) / max(b), max(a) / min(b)
+        gpus_a, gpus_b = (_server_gpus(frame.iloc[0], len(steps)) for frame, steps in ((num, a), (den, b)))
+        same = pd.Series(
+            [
+                x / y
+                for x, gx in zip(a, gpus_a, strict=True)
+                for y, gy in zip(b, gpus_b, strict=True)
+                if gx and gx == gy
+            ],
+            dtype=float,
+        )
         rows.append(
             {
                 "context": int(context),
@@ -363,9 +389,21 @@ def server_ratio(table: pd.DataFrame, numerator: str, denominator: str, **where:
                 "ratio_hi": hi,
                 "servers": f"{len(a)}/{len(b)}",
                 "resolved": lo > 1 or hi < 1,
+                "same_gpu": float(same.median()) if len(same) else math.nan,
+                "same_gpu_lo": float(same.min()) if len(same) else math.nan,
+                "same_gpu_hi": float(same.max()) if len(same) else math.nan,
+                "same_gpu_pairs": len(same),
             }
         )
-    return pd.DataFrame(rows, columns=["context", "ratio", "ratio_lo", "ratio_hi", "servers", "resolved"])
+    columns = ["context", "ratio", "ratio_lo", "ratio_hi", "servers", "resolved"]
+    return pd.DataFrame(rows, columns=[*columns, "same_gpu", "same_gpu_lo", "same_gpu_hi", "same_gpu_pairs"])
+
+
+def _server_gpus(row: pd.Series, servers: int) -> list[str]:
+    """Each server's GPU id, in ``server_step_ms``'s order; empty ids where the step file did not record them."""
+    text = row.get("server_gpus")
+    gpus = text.split(";") if isinstance(text, str) and text else []
+    return gpus if len(gpus) == servers else [""] * servers
 
 
 def _servers(row: pd.Series) -> list[float]:

@@ -117,11 +117,23 @@ def _interval_text(ratio: float, lo: float, hi: float) -> str:
     return f"{ratio:.2f} [{lo:.2f}, {hi:.2f}]{verdict}"
 
 
+def _same_gpu_text(interval: pd.Series) -> str:
+    """The ratio over the pairings of servers that ran on one GPU: median [lowest, highest], how many pairings."""
+    pairs = int(interval.get("same_gpu_pairs", 0) or 0)
+    if pairs == 0:
+        return "–"
+    lo, hi, mid = (float(interval[key]) for key in ("same_gpu_lo", "same_gpu_hi", "same_gpu"))
+    verdict = "" if lo > 1 or hi < 1 else ", not resolved"
+    span = f"{mid:.2f}" if pairs == 1 else f"{mid:.2f} [{lo:.2f}, {hi:.2f}]"
+    return f"{span}, {_count(pairs, 'pairing')}{verdict}"
+
+
 def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None) -> Section:
     """One row per (model, engine version, context, k, batch) where the engine measured mtp and wmtp at that k.
 
     The ratio mtp / wmtp is of the medians of each arm's servers, with its range over every pairing of one server
-    of each; each arm's cycle is also shown as a multiple of its byte floor, and the clock that timed it.
+    of each, and over the pairings whose two servers ran on one GPU; each arm's cycle is also shown as a multiple
+    of its byte floor, and the clock that timed it.
     """
     need = {"arm", "k", "context", "batch", "step_ms", "n", "engine_version", "model"}
     if steps is None or steps.empty or not need <= set(steps.columns):
@@ -169,6 +181,7 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
                     "mtp / wmtp [range over servers]": _interval_text(
                         float(interval["ratio"]), float(interval["ratio_lo"]), float(interval["ratio_hi"])
                     ),
+                    "mtp / wmtp, servers on one GPU": _same_gpu_text(interval),
                     "replica": round(replica_ratio, 3),
                     "cost model": round(model_ratio, 3),
                     "ceiling 1 + k/L_full": round(ceiling_ratio(model, int(k)), 3),

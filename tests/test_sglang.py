@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from wmtp.engines.vllm import VLLMAdapter
 from wmtp.layout import Draft
 from wmtp.measure.client import complete
 
+REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
 FAKE_SITE = FIXTURES / "fake_site"
 
@@ -104,6 +106,63 @@ def test_an_arms_own_serve_args_come_last_and_choose_its_draft_backend():
         _argv("wmtp", sink=64, window=4032, arm_args=["--speculative-draft-attention-backend", "fa3"])
     with pytest.raises(sglang.SGLangError, match="engine/model/arm serve_args set --speculative-num-steps"):
         _argv("mtp", arm_args=["--speculative-num-steps=2"])
+
+
+def test_full_attention_interval_is_the_period_of_the_full_attention_layers():
+    linear, full = "linear_attention", "full_attention"
+    assert sglang.full_attention_interval([linear, linear, linear, full]) == 4
+    assert sglang.full_attention_interval([linear, full] * 3) == 2
+    assert sglang.full_attention_interval([full, full]) == 1
+    # SGLang would place a full layer at 8 too, and none can say "the first four only"
+    assert sglang.full_attention_interval([linear, linear, linear, full, linear, linear, linear, linear]) is None
+    assert sglang.full_attention_interval([linear, full, linear, linear, full]) is None
+    assert sglang.full_attention_interval([linear, linear]) is None
+
+
+def _checkpoint(tmp_path: Path, config: dict) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def _served(model_dir: Path, arm: str = "mtp", model_args=()) -> list[str]:
+    return sglang.serve_argv(
+        ServeRequest(
+            "/env/bin/python", model_dir, "q", 8123, max_model_len=4096, draft=Draft(arm=arm, k=3),
+            model_args=model_args,
+        )
+    )  # fmt: skip
+
+
+def test_the_committed_tiny_checkpoint_and_the_dummies_get_the_interval_sglang_reads(tmp_path):
+    from wmtp.layout import TRAINED_CHECKPOINT
+    from wmtp.model.dummy import write_dummy
+
+    argv = _served(TRAINED_CHECKPOINT)
+    assert json.loads(_value(argv, sglang.OVERRIDE_FLAG)) == {"full_attention_interval": 4}
+    write_dummy(REPO / "config" / "models" / "qwen3.6-35b-a3b.json", tmp_path / "dummy", 1049600)
+    argv = _served(tmp_path / "dummy", arm="none")
+    assert json.loads(_value(argv, sglang.OVERRIDE_FLAG)) == {"full_attention_interval": 4}
+
+
+def test_a_studys_own_overrides_are_merged_and_a_clash_is_refused(tmp_path):
+    layers = ["linear_attention", "full_attention"] * 2
+    model = _checkpoint(tmp_path, {"model_type": "qwen3_next", "layer_types": layers})
+    argv = _served(model, model_args=[sglang.OVERRIDE_FLAG, '{"rope_theta": 5e6}'])
+    assert argv.count(sglang.OVERRIDE_FLAG) == 2  # the study's, then the merged one, which argparse keeps
+    assert sglang.flag_value(argv, sglang.OVERRIDE_FLAG) == '{"full_attention_interval": 2, "rope_theta": 5000000.0}'
+    with pytest.raises(sglang.SGLangError, match=re.escape("needs {'full_attention_interval': 2}")):
+        _served(model, model_args=[sglang.OVERRIDE_FLAG, '{"full_attention_interval": 4}'])
+
+
+def test_a_config_sglang_reads_as_it_stands_gets_no_override_and_an_odd_pattern_is_refused(tmp_path):
+    layers = ["linear_attention", "full_attention"]
+    given = {"model_type": "qwen3_next", "layer_types": layers, "full_attention_interval": 2}
+    assert sglang.OVERRIDE_FLAG not in _served(_checkpoint(tmp_path, given))
+    other = {"model_type": "llama", "layer_types": ["full_attention", "sliding_attention"]}
+    assert sglang.config_overrides(other) == {}
+    odd = {"model_type": "qwen3_next", "layer_types": ["full_attention", "linear_attention", "linear_attention"]}
+    with pytest.raises(sglang.SGLangError, match="follow no such pattern"):
+        sglang.config_overrides(odd)
 
 
 def test_ring_arm_is_not_built_on_sglang():

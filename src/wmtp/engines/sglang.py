@@ -20,6 +20,10 @@ Arms (facts from the sglang 0.5.21 wheel's ``arg_groups/fields/spec.py`` and ``s
   window; a study that gives an arm its own backend (the arm's ``serve_args``) says so beside it.
 * ``wmtp-ring`` — ours, not upstream's: not built for SGLang yet (``RingNotBuilt``).
 
+Checkpoints: SGLang's Qwen3-Next config reads ``full_attention_interval``, which a config that transformers 5
+writes (``layer_types`` alone: the committed tiny checkpoint, the weightless dummies) lacks; ``serve_argv``
+passes it through ``--json-model-override-args`` (``config_overrides``).
+
 Counters: SGLang's Prometheus spec metrics are gauges (acceptance length/rate), which cannot be
 differenced over a rung, so ``read_counters`` returns nothing and the counts come from each response.
 With ``return_spec_tokens_details: true`` (``REQUEST_EXTRA``), a streamed ``/v1/completions`` ends
@@ -40,6 +44,7 @@ reads, chosen so that its ``1 + accepted / drafts`` is the SGLang formula of doc
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +57,8 @@ HEALTH_PATH = "/health"
 FIRST_WINDOWED_VERSION = "0.5.21"
 WINDOW_FLAGS = ("--speculative-draft-window-size", "--speculative-draft-sink-size")
 DRAFT_BACKEND_FLAG = "--speculative-draft-attention-backend"
+# SGLang's flag for keys merged into the checkpoint's config after loading it.
+OVERRIDE_FLAG = "--json-model-override-args"
 # Draft attention backends whose multi-step draft decode honours the window (PR #32673).
 WINDOW_BACKENDS = ("flashinfer", "triton")
 DEFAULT_DRAFT_BACKEND = "flashinfer"
@@ -130,10 +137,59 @@ def speculative_args(
     return args
 
 
+def full_attention_interval(layer_types: Sequence[str]) -> int | None:
+    """The N for which layer i is full attention exactly when (i + 1) % N == 0, the one way SGLang's Qwen3-Next
+    config places its full-attention layers (``layers_block_type`` from ``full_attention_interval``); None where
+    ``layer_types`` follow no such pattern."""
+    full = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+    if not full:
+        return None
+    interval = full[0] + 1
+    return interval if full == list(range(interval - 1, len(layer_types), interval)) else None
+
+
+def config_overrides(config: Mapping[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """What SGLang needs added to a checkpoint's config: a Qwen3-Next written with transformers' ``layer_types``
+    alone (the committed tiny checkpoint, the weightless dummies) gets the ``full_attention_interval`` SGLang
+    reads; nothing for any other config. A ``layer_types`` that no interval describes is refused."""
+    if config.get("model_type") != "qwen3_next" or "full_attention_interval" in config:
+        return {}
+    layer_types = config.get("layer_types")
+    if not layer_types:
+        return {}
+    interval = full_attention_interval(layer_types)
+    if interval is None:
+        raise SGLangError(
+            f"{source}: SGLang places a Qwen3-Next's full-attention layers every N layers "
+            f"(full_attention_interval); layer_types {layer_types} follow no such pattern"
+        )
+    return {"full_attention_interval": interval}
+
+
+def _override_args(extra: Sequence[str], model_dir: Path | str) -> list[str]:
+    """``--json-model-override-args`` with the checkpoint's needs merged into the study's own overrides (a study's
+    value for the same key must agree); nothing where neither has any."""
+    config_path = Path(model_dir) / "config.json"
+    needed = config_overrides(json.loads(config_path.read_text()), str(config_path)) if config_path.is_file() else {}
+    if not needed:
+        return []
+    given_text = flag_value(extra, OVERRIDE_FLAG)
+    given = json.loads(given_text) if given_text else {}
+    clashing = {key: given[key] for key in needed if key in given and given[key] != needed[key]}
+    if clashing:
+        raise SGLangError(
+            f"{OVERRIDE_FLAG} in serve_args sets {clashing}, where {config_path} needs {needed}; drop those keys"
+        )
+    return [OVERRIDE_FLAG, json.dumps({**given, **needed}, sort_keys=True)]
+
+
 def serve_argv(request: ServeRequest) -> list[str]:
-    """The server command as a list (never a shell string)."""
+    """The server command as a list (never a shell string). A checkpoint whose config SGLang cannot read as it
+    stands gets what it lacks through ``--json-model-override-args`` (``config_overrides``), after the study's own
+    serve_args, so that the merged value is the one argparse keeps."""
     r = request
-    extra = [*r.engine_args, *r.model_args, *r.arm_args]
+    given = [*r.engine_args, *r.model_args, *r.arm_args]
+    extra = [*given, *_override_args(given, r.model_dir)]
     argv = [
         r.python,
         "-m",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from wmtp.report import compare, engine_steps, headline, load
@@ -20,9 +21,36 @@ def test_the_answer_is_short_states_intervals_and_sets_the_paper_at_its_own_d():
     text = " ".join(sentences)
     # the engine's range over servers holds 1 at 131K: not a number to read
     assert "131K: not resolved [" in text
+    # each plugin its own clause, the current one first, each context once in each
+    measured = text.split("with the draft's window set once a decode cycle, ")[1].split(" (range over pairings")[0]
+    current, earlier = measured.split("; and with the draft's window set for each draft forward, ")
+    for clause in (current, earlier):
+        assert [part.split(":")[0] for part in clause.split("; ")] == ["131K", "524K", "1M"]
+    # servers on two GPUs: the range over pairings on one GPU beside the pooled one
+    assert current.startswith("131K: 1.20 [1.02, 1.33] over 2 GPUs, 1.022 [1.015, 1.028] between servers on one GPU")
     assert "d 7 (6 draft forwards), W 4032, S 64" in text
     # 10 full-attention layers, 6 draft forwards of one: 1 + 6/10
     assert "ceiling is 1.60" in text and "within it" in text
+
+
+def test_the_replica_is_named_once_a_context_beside_two_plugins(tmp_path):
+    rows = [
+        {"engine_version": "0.24.0", "arm": arm, "k": 0 if arm == "none" else 3, "context": 131072, "batch": 1,
+         "step_ms": ms, "n": 3, "S": 16 if arm == "wmtp" else None, "W": 4096 if arm == "wmtp" else None,
+         "window_anchor": anchor if arm == "wmtp" else None, "windowed_forwards": 10}
+        for arm, ms, anchor in (("none", 5, None), ("mtp", 9, None), ("wmtp", 8.5, "forward"), ("wmtp", 8, "cycle"))
+    ]  # fmt: skip
+    path = tmp_path / "vllm_qwen3.6-35b-a3b.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    replica = pd.DataFrame(
+        [{"model": "Qwen3.6-35B-A3B", "context": 131072, "k": 3, "batch": 1, "arm": arm, "measured_ratio": 1.04,
+          "predicted_ratio": 1.05} for arm in ("mtp", "wmtp")]
+    )  # fmt: skip
+    frame = engine_steps.engine_step_section(engine_steps.load_engine_steps([path]), replica).frame
+    text = " ".join(headline.headline_sentences(frame, None))
+    assert "the GPU replica gives 1.04 at 131K and the cost model 1.05." in text
+    # one server each: the ratio alone, no verdict; the current plugin first
+    assert text.index("once a decode cycle, 131K: 1.125;") < text.index("for each draft forward, 131K: 1.059 (")
 
 
 def test_without_an_engine_the_answer_says_so():

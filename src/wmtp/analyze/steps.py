@@ -161,7 +161,7 @@ def _server_rows(kept: pd.DataFrame, rungs: pd.DataFrame, engine_version: str) -
                 "disagreement": _column(group, "clock_disagreement"),
                 "floors": _column(group, "floor_ms"),
                 "gpu_name": first.get("gpu_name"),
-                "gpu": short_gpu_id(first.get("gpu_uuid")),
+                "gpu": _short_gpu_id(first.get("gpu_uuid")),
                 "gaps": [g for one in gap_lists if one for g in one],
                 "cycles": [
                     c
@@ -192,7 +192,7 @@ def _server_rows(kept: pd.DataFrame, rungs: pd.DataFrame, engine_version: str) -
     return rows
 
 
-def short_gpu_id(uuid: object) -> str:
+def _short_gpu_id(uuid: object) -> str:
     """'GPU-cf466104-12f8-…' → 'cf466104': enough to tell a study's GPUs apart; empty where none was recorded."""
     if not isinstance(uuid, str) or not uuid:
         return ""
@@ -357,8 +357,9 @@ def server_ratio(table: pd.DataFrame, numerator: str, denominator: str, **where:
     ``ratio`` is of the medians of the servers' median cycles; ``ratio_lo`` and ``ratio_hi`` the lowest and highest
     ratio of one server of each (equal to ``ratio`` with one server each); ``resolved`` says whether that range
     leaves 1 out. ``same_gpu``, ``same_gpu_lo`` and ``same_gpu_hi`` are the median, lowest and highest ratio over
-    the pairings whose two servers ran on one GPU (``same_gpu_pairs`` of them; NaN where none did): GPUs of one
-    model have differed by more than the arms. ``where`` narrows both arms' rows (k=3, W=4096 …).
+    the pairings whose two servers ran on one GPU (``same_gpu_pairs`` of them; NaN where none did), ``gpus`` how
+    many GPUs the two arms' servers ran on: GPUs of one model have differed by more than the arms. ``where``
+    narrows both arms' rows (k=3, W=4096 …).
     """
     rows = []
     selected = table
@@ -393,10 +394,12 @@ def server_ratio(table: pd.DataFrame, numerator: str, denominator: str, **where:
                 "same_gpu_lo": float(same.min()) if len(same) else math.nan,
                 "same_gpu_hi": float(same.max()) if len(same) else math.nan,
                 "same_gpu_pairs": len(same),
+                "gpus": len({gpu for gpu in (*gpus_a, *gpus_b) if gpu}),
             }
         )
     columns = ["context", "ratio", "ratio_lo", "ratio_hi", "servers", "resolved"]
-    return pd.DataFrame(rows, columns=[*columns, "same_gpu", "same_gpu_lo", "same_gpu_hi", "same_gpu_pairs"])
+    same_gpu = ["same_gpu", "same_gpu_lo", "same_gpu_hi", "same_gpu_pairs", "gpus"]
+    return pd.DataFrame(rows, columns=[*columns, *same_gpu])
 
 
 def _server_gpus(row: pd.Series, servers: int) -> list[str]:

@@ -107,25 +107,24 @@ def _value(row: pd.Series | None, column: str) -> float:
     return float(value)
 
 
-def _interval_text(ratio: float, lo: float, hi: float) -> str:
-    """The ratio with its range over servers; 'not resolved' where the range holds 1."""
+def _interval_text(ratio: float, lo: float, hi: float, single: str = "one server each") -> str:
+    """The ratio with its range over pairings of servers; 'not resolved' where the range holds 1, no verdict where
+    there is a single pairing (``single`` says so)."""
     if math.isnan(ratio):
         return ""
     if lo == hi:
-        return f"{ratio:.2f} (one server each)"
+        return f"{ratio:.2f} ({single})"
     verdict = "" if lo > 1 or hi < 1 else ", not resolved"
     return f"{ratio:.2f} [{lo:.2f}, {hi:.2f}]{verdict}"
 
 
 def _same_gpu_text(interval: pd.Series) -> str:
-    """The ratio over the pairings of servers that ran on one GPU: median [lowest, highest], how many pairings."""
-    pairs = int(interval.get("same_gpu_pairs", 0) or 0)
+    """The ratio over the pairings of servers that ran on one GPU, and how many pairings; '–' where none did."""
+    pairs = int(interval["same_gpu_pairs"])
     if pairs == 0:
         return "–"
-    lo, hi, mid = (float(interval[key]) for key in ("same_gpu_lo", "same_gpu_hi", "same_gpu"))
-    verdict = "" if lo > 1 or hi < 1 else ", not resolved"
-    span = f"{mid:.2f}" if pairs == 1 else f"{mid:.2f} [{lo:.2f}, {hi:.2f}]"
-    return f"{span}, {_count(pairs, 'pairing')}{verdict}"
+    text = _interval_text(interval["same_gpu"], interval["same_gpu_lo"], interval["same_gpu_hi"], "one pairing")
+    return f"{text}, {_count(pairs, 'pairing')}"
 
 
 def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None) -> Section:
@@ -182,6 +181,10 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
                         float(interval["ratio"]), float(interval["ratio_lo"]), float(interval["ratio_hi"])
                     ),
                     "mtp / wmtp, servers on one GPU": _same_gpu_text(interval),
+                    "gpus": int(interval["gpus"]),
+                    "same_gpu": float(interval["same_gpu"]),
+                    "same_gpu_lo": float(interval["same_gpu_lo"]),
+                    "same_gpu_hi": float(interval["same_gpu_hi"]),
                     "replica": round(replica_ratio, 3),
                     "cost model": round(model_ratio, 3),
                     "ceiling 1 + k/L_full": round(ceiling_ratio(model, int(k)), 3),

@@ -13,6 +13,8 @@ from wmtp.report.engine_steps import ceiling_ratio
 from wmtp.report.labels import fmt_interval
 
 MAX_SENTENCES = 6
+# Where the plugin set the windowed draft's window (the step file's window_anchor), as a sentence says it.
+_PLUGINS = {"cycle": "once a decode cycle", "forward": "for each draft forward"}
 
 
 def _ratio(value: Any) -> str:
@@ -45,6 +47,20 @@ def paper_marks(engine: pd.DataFrame | None, claim: dict[str, float] | None) -> 
     )
 
 
+def _measured(row: pd.Series) -> str:
+    """'1M: 1.141 [1.137, 1.143]'; where the servers ran on several GPUs, the range over the pairings on one GPU
+    beside it (GPUs have differed by more than the arms)."""
+    text = f"{row['context']}: {fmt_interval(row['engine mtp / wmtp'], row['ratio_lo'], row['ratio_hi'], null=1.0)}"
+    if row.get("gpus", 0) > 1:
+        text += f" over {int(row['gpus'])} GPUs"
+        if math.isfinite(row.get("same_gpu", math.nan)):
+            on_one = fmt_interval(row["same_gpu"], row["same_gpu_lo"], row["same_gpu_hi"], null=1.0)
+            text += f", {on_one} between servers on one GPU"
+        else:
+            text += ", no two of its servers on one GPU"
+    return text
+
+
 def headline_sentences(engine: pd.DataFrame | None, claim: dict[str, float] | None) -> list[str]:
     """At most :data:`MAX_SENTENCES` sentences: what windowing can save at most, what the real engine
     measured per context (not resolved where its range holds 1), the replica and cost model beside it, and
@@ -58,13 +74,17 @@ def headline_sentences(engine: pd.DataFrame | None, claim: dict[str, float] | No
             f"windowed draft's) cannot exceed 1 + k/L_full: {_ratio(first['ceiling 1 + k/L_full'])} for "
             f"{first['model']} at k {k}."
         )
-        measured = "; ".join(
-            f"{r['context']}: {fmt_interval(r['engine mtp / wmtp'], r['ratio_lo'], r['ratio_hi'], null=1.0)}"
-            for _, r in engine.sort_values("tokens").iterrows()
-        )
-        out.append(f"In {first['engine']} at k {k} and batch {int(first['batch'])} it measured {measured} "
-                   "(range over servers).")  # fmt: skip
-        beside = engine.dropna(subset=["replica"]).sort_values("tokens")
+        anchor = "wmtp window set per"
+        plugins = engine.groupby(anchor, sort=False) if anchor in engine.columns else [(None, engine)]
+        clauses = []
+        for plugin, rows in sorted(plugins, key=lambda item: str(item[0]) != "cycle"):
+            measured = "; ".join(_measured(r) for _, r in rows.sort_values("tokens").iterrows())
+            clauses.append(
+                f"with the draft's window set {_PLUGINS.get(plugin, plugin)}, {measured}" if plugin else measured
+            )
+        out.append(f"In {first['engine']} at k {k} and batch {int(first['batch'])} it measured, "
+                   + "; and ".join(clauses) + " (range over pairings of servers).")  # fmt: skip
+        beside = engine.dropna(subset=["replica"]).drop_duplicates("tokens").sort_values("tokens")
         if not beside.empty:
             out.append(
                 "At the same shape the GPU replica gives "

@@ -173,7 +173,7 @@ def test_servers_on_one_gpu_give_the_ratio_without_the_machines_spread():
     ratio = server_ratio(table, "mtp", "wmtp").iloc[0]
     assert ratio["ratio_lo"] < 1 < ratio["ratio_hi"]
     # one GPU: 11.7 / 11.0 and 10.5 / 11.0 on the first, 9.1 / 8.9 on the second
-    assert ratio["same_gpu_pairs"] == 3
+    assert ratio["same_gpu_pairs"] == 3 and ratio["same_gpu_servers"] == "3/2"
     assert (ratio["same_gpu_lo"], ratio["same_gpu_hi"]) == pytest.approx((10.5 / 11.0, 11.7 / 11.0))
     assert ratio["same_gpu"] == pytest.approx(9.1 / 8.9)
 

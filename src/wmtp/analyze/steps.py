@@ -357,9 +357,9 @@ def server_ratio(table: pd.DataFrame, numerator: str, denominator: str, **where:
     ``ratio`` is of the medians of the servers' median cycles; ``ratio_lo`` and ``ratio_hi`` the lowest and highest
     ratio of one server of each (equal to ``ratio`` with one server each); ``resolved`` says whether that range
     leaves 1 out. ``same_gpu``, ``same_gpu_lo`` and ``same_gpu_hi`` are the median, lowest and highest ratio over
-    the pairings whose two servers ran on one GPU (``same_gpu_pairs`` of them; NaN where none did), ``gpus`` how
-    many GPUs the two arms' servers ran on: GPUs of one model have differed by more than the arms. ``where``
-    narrows both arms' rows (k=3, W=4096 …).
+    the pairings whose two servers ran on one GPU (``same_gpu_pairs`` of them, drawing on ``same_gpu_servers`` of
+    each arm; NaN where none did), ``gpus`` how many GPUs the two arms' servers ran on: GPUs of one model have
+    differed by more than the arms. ``where`` narrows both arms' rows (k=3, W=4096 …).
     """
     rows = []
     selected = table
@@ -373,15 +373,8 @@ def server_ratio(table: pd.DataFrame, numerator: str, denominator: str, **where:
         ratio = float(num["step_ms"].iloc[0]) / float(den["step_ms"].iloc[0])
         lo, hi = min(a) / max(b), max(a) / min(b)
         gpus_a, gpus_b = (_server_gpus(frame.iloc[0], len(steps)) for frame, steps in ((num, a), (den, b)))
-        same = pd.Series(
-            [
-                x / y
-                for x, gx in zip(a, gpus_a, strict=True)
-                for y, gy in zip(b, gpus_b, strict=True)
-                if gx and gx == gy
-            ],
-            dtype=float,
-        )
+        pairs = [(i, j) for i, gx in enumerate(gpus_a) for j, gy in enumerate(gpus_b) if gx and gx == gy]
+        same = pd.Series([a[i] / b[j] for i, j in pairs], dtype=float)
         rows.append(
             {
                 "context": int(context),
@@ -394,11 +387,13 @@ def server_ratio(table: pd.DataFrame, numerator: str, denominator: str, **where:
                 "same_gpu_lo": float(same.min()) if len(same) else math.nan,
                 "same_gpu_hi": float(same.max()) if len(same) else math.nan,
                 "same_gpu_pairs": len(same),
+                # How many servers of each arm those pairings drew on: one server of an arm spans no spread of its own.
+                "same_gpu_servers": f"{len({i for i, _ in pairs})}/{len({j for _, j in pairs})}",
                 "gpus": len({gpu for gpu in (*gpus_a, *gpus_b) if gpu}),
             }
         )
     columns = ["context", "ratio", "ratio_lo", "ratio_hi", "servers", "resolved"]
-    same_gpu = ["same_gpu", "same_gpu_lo", "same_gpu_hi", "same_gpu_pairs", "gpus"]
+    same_gpu = ["same_gpu", "same_gpu_lo", "same_gpu_hi", "same_gpu_pairs", "same_gpu_servers", "gpus"]
     return pd.DataFrame(rows, columns=[*columns, *same_gpu])
 
 

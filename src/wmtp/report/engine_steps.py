@@ -124,7 +124,7 @@ def _same_gpu_text(interval: pd.Series) -> str:
     if pairs == 0:
         return "–"
     text = _interval_text(interval["same_gpu"], interval["same_gpu_lo"], interval["same_gpu_hi"], "one pairing")
-    return f"{text}, {_count(pairs, 'pairing')}"
+    return f"{text}, {_count(pairs, 'pairing')} of {interval['same_gpu_servers']} servers"
 
 
 def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None) -> Section:

@@ -79,7 +79,7 @@ def test_the_layout_owns_exactly_the_committed_piece_paths(h200):
         for piece in expand_pieces(h200)
     }
     assert listed == set(committed_manifests())
-    assert len(listed) == 19
+    assert len(listed) == 23
 
 
 def test_a_listed_piece_measures_what_the_committed_one_recorded(h200):
@@ -100,17 +100,20 @@ def test_a_listed_piece_measures_what_the_committed_one_recorded(h200):
 def test_selection_runs_the_longest_rung_first_then_server_by_server_in_the_arms_order(h200):
     picked = select_pieces(expand_pieces(h200), arms=["wmtp", "mtp"])
     order = [(p.group, p.cell.arm, p.cell.server) for p in picked]
-    assert order[:8] == [
+    assert order[:11] == [
         ("rungs~1048576-524288", "wmtp", 1),
         ("rungs~1048576-524288-131072", "wmtp", 1),
+        ("rungs~1048576-131072", "wmtp", 1),
         ("rungs~1048576-524288", "mtp", 1),
+        ("rungs~1048576-131072", "mtp", 1),
         ("rungs~1048576-524288", "wmtp", 2),
         ("rungs~1048576-524288-131072", "wmtp", 2),
         ("rungs~1048576-524288", "mtp", 2),
+        ("rungs~1048576-524288-131072", "wmtp", 3),
         ("rung~1048576", "mtp", 3),
         ("rungs~524288-131072", "mtp", 1),
     ]
-    assert order[8:] == [("rung~131072", arm, server) for server in (1, 2, 3) for arm in ("wmtp", "mtp")]
+    assert order[11:] == [("rung~131072", arm, server) for server in (1, 2, 3) for arm in ("wmtp", "mtp")]
     # Longest rung first across groups: none's piece over all three rungs comes before every 128K piece.
     everything = [p.group for p in select_pieces(expand_pieces(h200))]
     assert everything.index("rungs~1048576-524288-131072") < everything.index("rung~131072")
@@ -120,7 +123,7 @@ def test_selection_by_servers_and_by_exact_rungs(h200):
     third = select_pieces(expand_pieces(h200), servers=[3], rungs=[131072])
     assert [(p.group, p.cell.arm) for p in third] == [("rung~131072", a) for a in ("none", "mtp", "wmtp")]
     assert select_pieces(expand_pieces(h200), rungs=[524288]) == []
-    assert len(select_pieces(expand_pieces(h200), rungs=[524288, 1048576])) == 4
+    assert len(select_pieces(expand_pieces(h200), rungs=[524288, 1048576])) == 5
 
 
 def test_k_and_window_selectors_pass_a_cell_without_a_draft_or_a_window(h200):
@@ -166,6 +169,7 @@ def test_wmtp_pieces_prints_the_target_paths_of_a_selection(capsys):
     raw = "results/h200-vllm/raw"
     assert capsys.readouterr().out.splitlines() == [
         f"{raw}/rung~1048576/{MODEL}/arm~mtp/k~3/c~1/server~3/manifest.json",
+        f"{raw}/rungs~1048576-524288-131072/{MODEL}/arm~wmtp/k~3/s~16/w~4096/c~1/server~3/manifest.json",
         f"{raw}/rung~131072/{MODEL}/arm~mtp/k~3/c~1/server~3/manifest.json",
         f"{raw}/rung~131072/{MODEL}/arm~wmtp/k~3/s~16/w~4096/c~1/server~3/manifest.json",
     ]
@@ -228,7 +232,7 @@ def test_pieces_carried_in_build_nothing_and_are_measured_again_never(committed_
     and tabulates them: no engine is built, no piece is run."""
     out = snakemake("-n", "--configfile", str(H200), *scratch(committed_raw))
     assert out.returncode == 0, out.stdout + out.stderr
-    assert job_counts(out.stdout) == {"collect_pieces": 5, "step_table": 1, "study": 1, "all": 1, "total": 8}
+    assert job_counts(out.stdout) == {"collect_pieces": 6, "step_table": 1, "study": 1, "all": 1, "total": 9}
 
 
 def test_a_piece_that_is_there_outlives_its_engine_and_model_made_anew(committed_raw):

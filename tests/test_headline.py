@@ -27,7 +27,9 @@ def test_the_answer_is_short_states_intervals_and_sets_the_paper_at_its_own_d():
     for clause in (current, earlier):
         assert [part.split(":")[0] for part in clause.split("; ")] == ["131K", "524K", "1M"]
     # servers on two GPUs: the range over pairings on one GPU beside the pooled one
-    assert current.startswith("131K: 1.20 [1.02, 1.33] over 2 GPUs, 1.022 [1.015, 1.028] between servers on one GPU")
+    assert current.startswith("131K: 1.19 [1.02, 1.33] over 3 GPUs, 1.03 [1.02, 1.11] between servers on one GPU")
+    # the window-off control beside the windowed cycle: the window's own saving at each context it was measured
+    assert "the window alone saves (the control's cycle over the windowed one) is 131K: 1.033 [" in text
     assert "d 7 (6 draft forwards), W 4032, S 64" in text
     # 10 full-attention layers, 6 draft forwards of one: 1 + 6/10
     assert "ceiling is 1.60" in text and "within it" in text
@@ -51,6 +53,36 @@ def test_the_replica_is_named_once_a_context_beside_two_plugins(tmp_path):
     assert "the GPU replica gives 1.04 at 131K and the cost model 1.05." in text
     # one server each: the ratio alone, no verdict; the current plugin first
     assert text.index("once a decode cycle, 131K: 1.125;") < text.index("for each draft forward, 131K: 1.059 (")
+
+
+def test_the_window_off_control_is_set_against_both_drafting_arms(tmp_path):
+    rows = [
+        {"engine_version": "0.24.0", "arm": arm, "k": 0 if arm == "none" else 3, "context": 131072, "batch": 1,
+         "step_ms": ms, "n": 3, "S": 16 if arm == "wmtp" else None, "W": window, "window_anchor": "cycle",
+         "server_step_ms": servers, "server_gpus": gpus}
+        for arm, ms, window, servers, gpus in (
+            ("none", 5.0, None, "5.0", "a"),
+            ("mtp", 10.0, None, "10.0;12.0", "a;b"),
+            ("wmtp", 9.0, 4096, "9.0", "a"),
+            ("wmtp", 9.5, 1049600, "9.5", "a"),
+        )
+    ]  # fmt: skip
+    path = tmp_path / "vllm_qwen3.6-35b-a3b.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    frame = engine_steps.engine_step_section(engine_steps.load_engine_steps([path]), None).frame
+    (row,) = frame.to_dict("records")
+    assert row["window off / wmtp"] == pytest.approx(9.5 / 9.0)
+    assert row["mtp / window off"] == pytest.approx(10.0 / 9.5)
+    assert (row["mtp_off_lo"], row["mtp_off_hi"]) == pytest.approx((10.0 / 9.5, 12.0 / 9.5))
+    # on one GPU only mtp's server on "a" pairs with the control
+    assert row["mtp / window off, servers on one GPU"].startswith("1.05 (one pairing), 1 pairing of 1/1")
+    text = " ".join(headline.headline_sentences(frame, None))
+    assert "the window alone saves (the control's cycle over the windowed one) is 131K: 1.056;" in text
+    assert "native MTP over that control reads 131K: 1.05 [1.05, 1.26]." in text
+    # without a control the sentence is not there
+    pd.DataFrame(rows[:3]).to_csv(path, index=False)
+    frame = engine_steps.engine_step_section(engine_steps.load_engine_steps([path]), None).frame
+    assert "window-off control" not in " ".join(headline.headline_sentences(frame, None))
 
 
 def test_without_an_engine_the_answer_says_so():

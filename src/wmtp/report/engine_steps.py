@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from wmtp.report.compare import canonical_model, model_file
-from wmtp.report.labels import arm_order, context_label, series_label
+from wmtp.report.labels import arm_order, context_label, fmt_interval, series_label
 from wmtp.report.load import Section
 
 STEP_FILE_PREFIX = "vllm_"
@@ -153,6 +153,7 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
                 continue
             pair = pd.DataFrame([mtp, wmtp])
             interval = server_ratio(pair, "mtp", "wmtp").iloc[0]
+            window_off = _control_ratios(control, mtp, wmtp)
             replica_ratio, model_ratio = _replica_ratio(replica, model, int(context), int(k), int(batch))
             servers = [_value(r, "servers") for r in (none_row, mtp, wmtp)]
             clocks = {str(r["clock"]) for r in (none_row, mtp, wmtp) if r is not None and "clock" in r.index}
@@ -185,6 +186,7 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
                     "same_gpu": float(interval["same_gpu"]),
                     "same_gpu_lo": float(interval["same_gpu_lo"]),
                     "same_gpu_hi": float(interval["same_gpu_hi"]),
+                    **window_off,
                     "replica": round(replica_ratio, 3),
                     "cost model": round(model_ratio, 3),
                     "ceiling 1 + k/L_full": round(ceiling_ratio(model, int(k)), 3),
@@ -199,6 +201,71 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
                 }
             )
     return Section(pd.DataFrame(rows))
+
+
+#: The engine section's numeric columns behind its text ones (figures read them, a table shows the text).
+NUMERIC_COLUMNS = [
+    "tokens",
+    "engine mtp / wmtp",
+    "ratio_lo",
+    "ratio_hi",
+    "same_gpu",
+    "same_gpu_lo",
+    "same_gpu_hi",
+    "window off / wmtp",
+    "off_lo",
+    "off_hi",
+    "off_same_gpu",
+    "mtp / window off",
+    "mtp_off_lo",
+    "mtp_off_hi",
+]
+
+# The control is its own arm in these ratios: the plugin loaded, its window covering every context.
+_OFF = "off"
+
+
+def _control_ratios(control: pd.Series | None, mtp: pd.Series, wmtp: pd.Series) -> dict[str, object]:
+    """The window-off control against the windowed row (what the window alone saves, free of native MTP's spread
+    between servers) and native MTP against the control (what loading the plugin costs or saves by itself), each
+    with its range over pairings of servers and over the pairings on one GPU; NaN and '' without a control."""
+    from wmtp.analyze.steps import server_ratio
+
+    if control is None:
+        return {
+            "window off / wmtp": math.nan,
+            "off_lo": math.nan,
+            "off_hi": math.nan,
+            "off_same_gpu": math.nan,
+            "window off / wmtp [range over servers]": "",
+            "window off / wmtp, servers on one GPU": "",
+            "mtp / window off [range over servers]": "",
+            "mtp_off_lo": math.nan,
+            "mtp_off_hi": math.nan,
+            "mtp / window off": math.nan,
+            "mtp / window off, servers on one GPU": "",
+        }
+    off = control.copy()
+    off["arm"] = _OFF
+    saved = server_ratio(pd.DataFrame([off, wmtp]), _OFF, "wmtp").iloc[0]
+    cost = server_ratio(pd.DataFrame([mtp, off]), "mtp", _OFF).iloc[0]
+    return {
+        "window off / wmtp": float(saved["ratio"]),
+        "off_lo": float(saved["ratio_lo"]),
+        "off_hi": float(saved["ratio_hi"]),
+        "off_same_gpu": float(saved["same_gpu"]),
+        "window off / wmtp [range over servers]": fmt_interval(
+            float(saved["ratio"]), float(saved["ratio_lo"]), float(saved["ratio_hi"]), null=1.0
+        ),
+        "window off / wmtp, servers on one GPU": _same_gpu_text(saved),
+        "mtp / window off [range over servers]": fmt_interval(
+            float(cost["ratio"]), float(cost["ratio_lo"]), float(cost["ratio_hi"]), null=1.0
+        ),
+        "mtp_off_lo": float(cost["ratio_lo"]),
+        "mtp_off_hi": float(cost["ratio_hi"]),
+        "mtp / window off": float(cost["ratio"]),
+        "mtp / window off, servers on one GPU": _same_gpu_text(cost),
+    }
 
 
 def _windows(pairs: Iterable[tuple[float, float]]) -> str:

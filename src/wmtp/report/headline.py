@@ -61,6 +61,28 @@ def _measured(row: pd.Series) -> str:
     return text
 
 
+def _control_sentence(engine: pd.DataFrame) -> str:
+    """Where the engine measured the window-off control: what the window alone saves against it, and native MTP
+    against it (what loading the plugin costs by itself), each context with its range over servers."""
+    if "window off / wmtp" not in engine.columns:
+        return ""
+    rows = engine[engine["window off / wmtp"].map(lambda v: math.isfinite(float(v)))].sort_values("tokens")
+    if rows.empty:
+        return ""
+    saved = "; ".join(
+        f"{r['context']}: {fmt_interval(r['window off / wmtp'], r['off_lo'], r['off_hi'], null=1.0)}"
+        for _, r in rows.iterrows()
+    )
+    cost = "; ".join(
+        f"{r['context']}: {fmt_interval(r['mtp / window off'], r['mtp_off_lo'], r['mtp_off_hi'], null=1.0)}"
+        for _, r in rows.iterrows()
+    )
+    return (
+        "Against the plugin's window-off control (loaded, its window covering the context), what the window alone "
+        f"saves (the control's cycle over the windowed one) is {saved}; native MTP over that control reads {cost}."
+    )
+
+
 def headline_sentences(engine: pd.DataFrame | None, claim: dict[str, float] | None) -> list[str]:
     """At most :data:`MAX_SENTENCES` sentences: what windowing can save at most, what the real engine
     measured per context (not resolved where its range holds 1), the replica and cost model beside it, and
@@ -93,6 +115,9 @@ def headline_sentences(engine: pd.DataFrame | None, claim: dict[str, float] | No
                 + ", ".join(f"{_ratio(r['cost model'])}" for _, r in beside.iterrows())
                 + "."
             )
+        control = _control_sentence(engine)
+        if control:
+            out.append(control)
         if claim:
             ceiling = ceiling_ratio(str(first["model"]), PAPER_DRAFT_FORWARDS)
             lo, hi = 1 + claim["lo"], 1 + claim["hi"]

@@ -100,3 +100,30 @@ def test_the_papers_mark_is_the_middle_of_its_range_with_the_ceiling_at_its_own_
     assert (mark["lo"], mark["ratio"], mark["hi"]) == pytest.approx((1.28, 1.36, 1.44))
     assert mark["ceiling"] == pytest.approx(1.6)
     assert headline.paper_marks(frame, None).empty and headline.paper_marks(None, claim).empty
+
+
+def test_an_engine_with_its_own_attention_options_is_its_own_clause_row_and_series(tmp_path):
+    tuned = "flash_attn_max_num_splits_for_cuda_graph=128"
+    rows = [
+        {"engine_version": "0.24.0", "attention_config": cfg, "arm": arm, "k": 0 if arm == "none" else 3,
+         "context": context, "batch": 1, "step_ms": ms * (0.8 if cfg else 1.0) * context / 131072, "n": 3,
+         "S": 16 if arm == "wmtp" else None, "W": 4096 if arm == "wmtp" else None, "window_anchor": "cycle",
+         "growth_ms": 1.0 if context > 131072 else None, "growth_floor_ms": 0.5, "growth_servers": 1}
+        for cfg in ("", tuned)
+        for context in (131072, 262144)
+        for arm, ms in (("none", 5.0), ("mtp", 10.0), ("wmtp", 8.0))
+    ]  # fmt: skip
+    path = tmp_path / "vllm_qwen3.6-35b-a3b.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    steps = engine_steps.load_engine_steps([path])
+    frame = engine_steps.engine_step_section(steps, None).frame
+    assert sorted(set(frame["engine"])) == ["vLLM 0.24.0", f"vLLM 0.24.0, attention {tuned}"]
+    # each engine's ratio from its own rows: the tuned engine's cycles are 0.8 of the default's in every arm
+    assert list(frame["engine mtp / wmtp"]) == pytest.approx([1.25] * 4)
+    assert set(frame.loc[frame["engine"].str.contains("attention"), "mtp (ms)"]) == {8.0, 16.0}
+    text = " ".join(headline.headline_sentences(frame, None))
+    assert "In vLLM 0.24.0 at k 3 and batch 1 it measured, with" in text
+    assert f"; in vLLM 0.24.0, attention {tuned} at k 3 and batch 1 it measured, with" in text
+    growth = engine_steps.growth_check_section(steps).frame
+    # one growth per engine and arm: the two engines' rows never pair up as one series
+    assert len(growth) == 6 and growth.groupby(["engine", "series"]).size().eq(1).all()

@@ -221,3 +221,30 @@ def test_plugins_that_set_the_window_per_forward_and_per_cycle_are_two_rows():
         (a, anchor): (n, step) for a, anchor, n, step in table[["arm", "window_anchor", "servers", "step_ms"]].values
     }
     assert rows == {("mtp", ""): (1, 20.0), ("wmtp", "cycle"): (1, 10.0), ("wmtp", "forward"): (2, 20.0)}
+
+
+def test_servers_of_another_attention_setting_are_rows_of_their_own_and_grow_among_themselves():
+    """An engine with its split cap raised is another engine: never pooled with the default one, and its growth
+    between contexts taken within its own servers."""
+    tuned = "flash_attn_max_num_splits_for_cuda_graph=128"
+    requests = pd.DataFrame(
+        [
+            _request("none", "none", 0, 131072, 1.28),
+            _request("none", "none", 0, 1048576, 2.56),
+            _request("none-tuned", "none", 0, 131072, 1.152, attention_config=tuned),
+            _request("none-tuned", "none", 0, 1048576, 1.92, attention_config=tuned),
+        ]
+    )
+    rungs = pd.DataFrame(
+        [
+            {"cell_id": c, "workload": "code", "rung": r, "tok_per_verify": 1.0}
+            for c in ("none", "none-tuned")
+            for r in (131072, 1048576)
+        ]
+    )
+    table = step_table(requests, rungs, engine_version="0.24.0").fillna({"attention_config": ""})
+    rows = {(cfg, ctx): (servers, step, growth) for cfg, ctx, servers, step, growth in
+            table[["attention_config", "context", "servers", "step_ms", "growth_ms"]].values}  # fmt: skip
+    assert rows[("", 131072)][:2] == (1, 10.0) and rows[(tuned, 131072)][:2] == (1, 9.0)
+    assert rows[("", 1048576)][2] == pytest.approx(10.0) and rows[(tuned, 1048576)][2] == pytest.approx(6.0)
+    assert list(table.columns) == COLUMNS

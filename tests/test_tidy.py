@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from wmtp.analyze import tidy
+from wmtp.analyze.tidy import attention_config
 from wmtp.layout import TRAINED_CHECKPOINT
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -216,3 +218,34 @@ def test_the_reports_overview_names_each_series_cell_identity(tmp_path):
     rows = overview(load_tidy(tmp_path / "tidy"))
     assert sorted(set(rows["identity"])) == [f"{i:016x}" for i in range(len(cells))]
     assert (rows.groupby("identity").size() == 2).all()  # one row per workload, both of one cell
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["python", "-m", "vllm.entrypoints.openai.api_server", "--max-num-seqs", "4"], ""),
+        (
+            ["--attention-config", '{"flash_attn_max_num_splits_for_cuda_graph": 128, "backend": "FLASH_ATTN"}'],
+            "backend=FLASH_ATTN, flash_attn_max_num_splits_for_cuda_graph=128",
+        ),
+        (
+            ['--attention-config={"flash_attn_max_num_splits_for_cuda_graph": 64}'],
+            "flash_attn_max_num_splits_for_cuda_graph=64",
+        ),
+        (
+            [
+                "--attention-config.flash_attn_max_num_splits_for_cuda_graph",
+                "96",
+                "--attention-config.backend=TRITON_ATTN",
+            ],
+            "backend=TRITON_ATTN, flash_attn_max_num_splits_for_cuda_graph=96",
+        ),
+    ],
+)
+def test_the_attention_options_a_server_ran_with_read_from_its_argv(argv, expected):
+    assert attention_config(argv) == expected
+
+
+def test_attention_options_that_are_not_an_object_are_refused():
+    with pytest.raises(ValueError, match="is not a JSON object"):
+        attention_config(["--attention-config", "[128]"])

@@ -106,6 +106,29 @@ def test_the_h200_profile_study_plans_one_traced_server_per_arm(tmp_path):
     assert [Path(line).name for line in listed.stdout.split()] == ["qwen3.6-35b-a3b~vllm.csv", "traces.csv"]
 
 
+def test_the_tuned_h200_study_serves_its_attention_options_and_its_step_file_keeps_them(tmp_path):
+    """The tuned engine's servers get --attention-config as one argv word, and the step file's column reads it back
+    from that argv: the report tells this engine from the default one by it."""
+    from wmtp.analyze.tidy import attention_config
+    from wmtp.config import load_study
+    from wmtp.engines.base import ServeRequest
+    from wmtp.engines.vllm import serve_argv
+
+    study = load_study(REPO / "config" / "studies" / "h200-vllm-tuned.yaml")
+    (engine,) = study.engines
+    cell = next(c for c in study.cells() if c.arm == "wmtp")
+    request = ServeRequest(
+        python="python3", model_dir="m", served_name="m", port=1, max_model_len=1049600, draft=cell,
+        engine_args=tuple(engine.serve_args),
+    )  # fmt: skip
+    assert attention_config(serve_argv(request)) == "flash_attn_max_num_splits_for_cuda_graph=128"
+    out = run("-n", "--configfile", "config/studies/h200-vllm-tuned.yaml", *scratch_dirs(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    jobs = job_counts(out.stdout)
+    assert jobs["piece"] == 3 and jobs["collect_pieces"] == 1 and jobs["step_table"] == 1
+    assert "results/h200-vllm-tuned/steps/qwen3.6-35b-a3b~vllm-tuned.csv" in out.stdout
+
+
 def test_bad_config_fails_before_anything_runs(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((REPO / "config" / "config.yaml").read_text().replace("k: [3]", "k: [0]"))

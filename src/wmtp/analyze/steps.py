@@ -25,6 +25,7 @@ from wmtp.analyze import analysis, costmodel
 
 COLUMNS = [
     "engine_version",
+    "attention_config",
     "arm",
     "k",
     "S",
@@ -67,7 +68,7 @@ COLUMNS = [
     "wmtp_revision",
     "plugin_sha256",
 ]
-SHAPE = ["arm", "k", "S", "W", "window_anchor", "context", "batch"]
+SHAPE = ["attention_config", "arm", "k", "S", "W", "window_anchor", "context", "batch"]
 _RUNG = ["cell_id", "workload", "rung"]
 
 
@@ -153,6 +154,8 @@ def _server_rows(kept: pd.DataFrame, rungs: pd.DataFrame, engine_version: str) -
                 "window_anchor": (_distinct(group, "cell_window_anchor") or "forward") if windowed else "",
                 "context": int(first["rung"]),
                 "batch": int(first["concurrency"]),
+                # The engine's attention options (vLLM's --attention-config): another setting is another engine.
+                "attention_config": _distinct(group, "attention_config"),
                 # One server lifetime: its cell id and when it started (a cell id may be served again later).
                 "server": (first["cell_id"], str(first.get("server_started_at") or "")),
                 "steps": steps.dropna().tolist(),
@@ -287,7 +290,9 @@ def _add_growth(table: pd.DataFrame) -> None:
     table["growth_ms"] = math.nan
     table["growth_floor_ms"] = math.nan
     table["growth_servers"] = 0
-    for _, group in table.groupby(["arm", "k", "S", "W", "window_anchor", "batch"], dropna=False, sort=False):
+    for _, group in table.groupby(
+        ["attention_config", "arm", "k", "S", "W", "window_anchor", "batch"], dropna=False, sort=False
+    ):
         ordered = group.sort_values("context")
         for (_, shorter), (index, longer) in zip(ordered.iterrows(), ordered.iloc[1:].iterrows(), strict=False):
             both = sorted(set(shorter["by_server"]) & set(longer["by_server"]))

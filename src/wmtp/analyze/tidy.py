@@ -121,6 +121,35 @@ def apply_engine_clock(frame: pd.DataFrame) -> None:
     frame["clock_disagreement"] = frame["client_decode_s"] / engine_decode - 1.0
 
 
+ATTENTION_FLAG = "--attention-config"
+
+
+def attention_config(argv: list[str]) -> str:
+    """The attention options the server's argv gave the engine, as 'key=value' pairs in key order ('' where it ran
+    with its defaults): vLLM's ``--attention-config`` as one JSON object (``--attention-config '{...}'`` or
+    ``--attention-config={...}``) or one key at a time (``--attention-config.key value``). Two servers that differ
+    here ran two engines, whatever else they share."""
+    options: dict[str, object] = {}
+    words = iter(argv)
+    for word in words:
+        flag, equals, value = word.partition("=")
+        if flag == ATTENTION_FLAG or flag.startswith(ATTENTION_FLAG + "."):
+            if not equals:
+                value = next(words, "")
+            if flag == ATTENTION_FLAG:
+                parsed = json.loads(value)
+                if not isinstance(parsed, dict):
+                    raise ValueError(f"{ATTENTION_FLAG} {value!r} is not a JSON object")
+                options.update(parsed)
+            else:
+                options[flag.removeprefix(ATTENTION_FLAG + ".")] = value
+    return ", ".join(f"{key}={_option_text(options[key])}" for key in sorted(options))
+
+
+def _option_text(value: object) -> str:
+    return json.dumps(value) if isinstance(value, (dict, list, bool)) or value is None else str(value)
+
+
 def byte_floor_ms(manifest: dict, prompt_tokens: int) -> tuple[float, float]:
     """A cycle's byte floor (ms) for one request of the cell, and the bandwidth (bytes/s) it assumes.
 
@@ -175,6 +204,7 @@ def request_table(cell_dir: Path, deltas: pd.DataFrame) -> pd.DataFrame:
     frame["wmtp_revision"] = manifest.get("wmtp_revision")
     engine_versions = (manifest.get("engine") or {}).get("versions") or {}
     frame["plugin_sha256"] = engine_versions.get("wmtp_plugin_sha256") or manifest.get("wmtp_plugin_sha256")
+    frame["attention_config"] = attention_config(list(manifest.get("argv") or []))
     frame["floor_ms"] = [f for f, _ in floors]
     frame["floor_bandwidth"] = [b for _, b in floors]
     frame["power_status"] = manifest.get("power_status", "unavailable")

@@ -68,6 +68,25 @@ def _replica_ratio(replica: pd.DataFrame | None, model: str, context: int, k: in
     return float(at["measured_ratio"].iloc[0]), float(at["predicted_ratio"].iloc[0])
 
 
+def _with_attention(steps: pd.DataFrame) -> pd.DataFrame:
+    """The step rows with ``attention_config`` as text, empty for the engine's defaults (and in a step file from
+    before the column)."""
+    if "attention_config" not in steps.columns:
+        return steps.assign(attention_config="")
+    return steps.assign(attention_config=[v if isinstance(v, str) else "" for v in steps["attention_config"]])
+
+
+def _engine_labels(steps: pd.DataFrame) -> list[str]:
+    steps = _with_attention(steps)
+    return [engine_label(v, a) for v, a in zip(steps["engine_version"], steps["attention_config"], strict=True)]
+
+
+def engine_label(version: str, attention_config: str = "") -> str:
+    """'vLLM 0.24.0', or 'vLLM 0.24.0, attention flash_attn_max_num_splits_for_cuda_graph=128' where the servers
+    ran with attention options of their own: the same release set otherwise is another engine."""
+    return f"vLLM {version}" + (f", attention {attention_config}" if attention_config else "")
+
+
 def ceiling_ratio(model: str, k: int) -> float:
     """1 + k/L_full for that model: the most windowing the draft can save per cycle when only KV reads count."""
     from wmtp.analyze.costmodel import limit_ratio
@@ -139,9 +158,10 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
         return Section()
     from wmtp.analyze.steps import server_ratio
 
-    keys = ["model", "engine_version", "context", "batch"]
+    steps = _with_attention(steps)
+    keys = ["model", "engine_version", "attention_config", "context", "batch"]
     rows = []
-    for (model, version, context, batch), group in steps.groupby(keys, sort=True):
+    for (model, version, attention, context, batch), group in steps.groupby(keys, sort=True):
         none = group[group["arm"] == "none"]
         none_row = none.iloc[0] if len(none) else None
         none_ms = _value(none_row, "step_ms")
@@ -160,7 +180,7 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
             rows.append(
                 {
                     "model": model,
-                    "engine": f"vLLM {version}",
+                    "engine": engine_label(version, attention),
                     "context": context_label(context),
                     "tokens": int(context),
                     "k": int(k),
@@ -335,7 +355,7 @@ def engine_cycles(steps: pd.DataFrame | None) -> pd.DataFrame:
     out = pd.DataFrame(
         {
             "model": steps["model"],
-            "engine": "vLLM " + steps["engine_version"].astype(str),
+            "engine": _engine_labels(steps),
             "batch": steps["batch"].astype(int),
             "arm": steps["arm"].astype(str),
             "series": [_series(r) for _, r in steps.iterrows()],
@@ -405,9 +425,9 @@ def growth_check_section(steps: pd.DataFrame | None) -> Section:
         return Section()
     rows = []
     has_servers = "growth_servers" in steps.columns
-    for (model, version, batch, series), group in steps.assign(
-        series=[_series(r) for _, r in steps.iterrows()]
-    ).groupby(["model", "engine_version", "batch", "series"], sort=False):
+    for (model, engine, batch, series), group in steps.assign(
+        series=[_series(r) for _, r in steps.iterrows()], engine=_engine_labels(steps)
+    ).groupby(["model", "engine", "batch", "series"], sort=False):
         ordered = group.sort_values("context")
         for (_, shorter), (_, longer) in zip(ordered.iterrows(), ordered.iloc[1:].iterrows(), strict=False):
             growth, floor = _value(longer, "growth_ms"), _value(longer, "growth_floor_ms")
@@ -425,7 +445,7 @@ def growth_check_section(steps: pd.DataFrame | None) -> Section:
             rows.append(
                 {
                     "model": model,
-                    "engine": f"vLLM {version}",
+                    "engine": engine,
                     "batch": int(batch),
                     "series": series,
                     "from → to": f"{context_label(shorter['context'])} → {context_label(longer['context'])}",

@@ -69,12 +69,18 @@ def _control_sentence(engine: pd.DataFrame) -> str:
     rows = engine[engine["window off / wmtp"].map(lambda v: math.isfinite(float(v)))].sort_values("tokens")
     if rows.empty:
         return ""
+    # Where several engines ran the control, each context names its engine.
+    named = rows["engine"].nunique() > 1
+
+    def where(row: pd.Series) -> str:
+        return f"{row['context']} ({row['engine']})" if named else str(row["context"])
+
     saved = "; ".join(
-        f"{r['context']}: {fmt_interval(r['window off / wmtp'], r['off_lo'], r['off_hi'], null=1.0)}"
+        f"{where(r)}: {fmt_interval(r['window off / wmtp'], r['off_lo'], r['off_hi'], null=1.0)}"
         for _, r in rows.iterrows()
     )
     cost = "; ".join(
-        f"{r['context']}: {fmt_interval(r['mtp / window off'], r['mtp_off_lo'], r['mtp_off_hi'], null=1.0)}"
+        f"{where(r)}: {fmt_interval(r['mtp / window off'], r['mtp_off_lo'], r['mtp_off_hi'], null=1.0)}"
         for _, r in rows.iterrows()
     )
     return (
@@ -96,16 +102,18 @@ def headline_sentences(engine: pd.DataFrame | None, claim: dict[str, float] | No
             f"windowed draft's) cannot exceed 1 + k/L_full: {_ratio(first['ceiling 1 + k/L_full'])} for "
             f"{first['model']} at k {k}."
         )
-        anchor = "wmtp window set per"
-        plugins = engine.groupby(anchor, sort=False) if anchor in engine.columns else [(None, engine)]
-        clauses = []
-        for plugin, rows in sorted(plugins, key=lambda item: str(item[0]) != "cycle"):
-            measured = "; ".join(_measured(r) for _, r in rows.sort_values("tokens").iterrows())
-            clauses.append(
-                f"with the draft's window set {_PLUGINS.get(plugin, plugin)}, {measured}" if plugin else measured
-            )
-        out.append(f"In {first['engine']} at k {k} and batch {int(first['batch'])} it measured, "
-                   + "; and ".join(clauses) + " (range over pairings of servers).")  # fmt: skip
+        engines = []
+        for label, by_engine in engine.groupby("engine", sort=False):
+            anchor = "wmtp window set per"
+            plugins = by_engine.groupby(anchor, sort=False) if anchor in by_engine.columns else [(None, by_engine)]
+            clauses = []
+            for plugin, rows in sorted(plugins, key=lambda item: str(item[0]) != "cycle"):
+                measured = "; ".join(_measured(r) for _, r in rows.sort_values("tokens").iterrows())
+                clauses.append(
+                    f"with the draft's window set {_PLUGINS.get(plugin, plugin)}, {measured}" if plugin else measured
+                )
+            engines.append(f"{label} at k {k} and batch {int(first['batch'])} it measured, " + "; and ".join(clauses))
+        out.append("In " + "; in ".join(engines) + " (range over pairings of servers).")
         beside = engine.dropna(subset=["replica"]).drop_duplicates("tokens").sort_values("tokens")
         if not beside.empty:
             out.append(

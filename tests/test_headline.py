@@ -22,12 +22,17 @@ def test_the_answer_is_short_states_intervals_and_sets_the_paper_at_its_own_d():
     # the engine's range over servers holds 1 at 131K: not a number to read
     assert "131K: not resolved [" in text
     # each plugin its own clause, the current one first, each context once in each
-    measured = text.split("with the draft's window set once a decode cycle, ")[1].split(" (range over pairings")[0]
+    measured = text.split("with the draft's window set once a decode cycle, ")[1].split(" (ranges over pairings")[0]
     current, earlier = measured.split("; and with the draft's window set for each draft forward, ")
     for clause in (current, earlier):
         assert [part.split(":")[0] for part in clause.split("; ")] == ["131K", "524K", "1M"]
-    # servers on two GPUs: the range over pairings on one GPU beside the pooled one
-    assert current.startswith("131K: 1.19 [1.02, 1.33] over 3 GPUs, 1.03 [1.02, 1.11] between servers on one GPU")
+    # servers on several GPUs: the ratio over pairings on one GPU leads, the pooled range follows, flagged where
+    # it passes the ceiling
+    assert current.startswith(
+        "131K: 1.03 [1.02, 1.11] between servers on one GPU, 1.19 [1.02, 1.33] over 3 GPUs (its range passes the "
+        "ceiling 1.30: servers, not the window)"
+    )
+    assert "1M: 1.138 between servers on one GPU (one pairing), 1.139 [1.135, 1.143] over 4 GPUs" in current
     # the window-off control beside the windowed cycle: the window's own saving at each context it was measured
     assert "the window alone saves (the control's cycle over the windowed one) is 131K: 1.033 [" in text
     assert "d 7 (6 draft forwards), W 4032, S 64" in text
@@ -122,8 +127,8 @@ def test_an_engine_with_its_own_attention_options_is_its_own_clause_row_and_seri
     assert list(frame["engine mtp / wmtp"]) == pytest.approx([1.25] * 4)
     assert set(frame.loc[frame["engine"].str.contains("attention"), "mtp (ms)"]) == {8.0, 16.0}
     text = " ".join(headline.headline_sentences(frame, None))
-    assert "In vLLM 0.24.0 at k 3 and batch 1 it measured, with" in text
-    assert f"; in vLLM 0.24.0, attention {tuned} at k 3 and batch 1 it measured, with" in text
+    assert "timed by the engine's own clock, in vLLM 0.24.0 at k 3 and batch 1, with" in text
+    assert f"; in vLLM 0.24.0, attention {tuned} at k 3 and batch 1, with" in text
     growth = engine_steps.growth_check_section(steps).frame
     # one growth per engine and arm: the two engines' rows never pair up as one series
     assert len(growth) == 6 and growth.groupby(["engine", "series"]).size().eq(1).all()

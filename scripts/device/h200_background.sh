@@ -4,7 +4,7 @@
 # A device call lasts at most 10 minutes and the machine keeps its disk only while calls follow each other within
 # about 30 s. So one call starts the runs in the background and returns, and each later call follows them for a
 # while and brings back what is there so far: the progress log, Snakemake's output, the raw files packed afresh, the
-# step files once made, Triton's compile cache. A piece cut short by the lease's end costs only itself; every
+# step files once made (packed), Triton's compile cache. A piece cut short by the lease's end costs only itself; every
 # finished piece's raw files are in each call's $OUT.
 #
 # Runs ON the H200, from the repository root, after scripts/device/engine_install.sh installed the carried vLLM and
@@ -28,7 +28,7 @@
 # a cold start's minutes. follow packs Triton's part back when it fits what comes back.
 set -uo pipefail
 
-state=/tmp/wmtp-background
+state=${WMTP_BACKGROUND_STATE:-/tmp/wmtp-background} # the runs' own folder, outside every copy of the tree
 site=/tmp/wmtp-engine/site
 cache=${ENGINE_CACHE:-results/engines/vllm/cache}
 carried_cache=.gpu-inputs/compile-cache.tar.gz
@@ -153,11 +153,9 @@ follow() {
     cd "$(cat "$state/root")" || exit 1
     mapfile -t raw < <(find results -mindepth 2 -maxdepth 2 -name raw -type d 2>/dev/null | sort)
     [ ${#raw[@]} -eq 0 ] || tar czf "$OUT/raw.tar.gz" "${raw[@]}"
-    for steps in results/*/steps/*.csv; do
-      [ -f "$steps" ] || continue
-      mkdir -p "$OUT/steps/$(basename "$(dirname "$(dirname "$steps")")")"
-      cp "$steps" "$OUT/steps/$(basename "$(dirname "$(dirname "$steps")")")/"
-    done
+    # Packed, not copied: a step file's name holds a "~", which the way back from the H200 refuses.
+    mapfile -t steps < <(find results -mindepth 3 -maxdepth 3 -path '*/steps/*.csv' 2>/dev/null | sort)
+    [ ${#steps[@]} -eq 0 ] || tar czf "$OUT/steps.tar.gz" "${steps[@]}"
     # A profiling study's trace table, beside its traces in raw.tar.gz.
     for traces in results/*/traces.csv; do
       [ -f "$traces" ] || continue

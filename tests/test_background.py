@@ -1,0 +1,56 @@
+"""scripts/device/h200_background.sh follow: what a call brings back of runs it did not start itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "device" / "h200_background.sh"
+
+
+def _follow(tmp_path: Path, root: Path, done: bool) -> tuple[subprocess.CompletedProcess, Path]:
+    state, out = tmp_path / "state", tmp_path / "out"
+    state.mkdir(exist_ok=True)
+    out.mkdir(exist_ok=True)
+    (state / "root").write_text(f"{root}\n")
+    (state / "progress.log").write_text("h200_background: piece: …\n")
+    (state / "targets").write_text("results/s/raw/rung~1/a/manifest.json\n")
+    (state / "snakemake.log").write_text("Finished jobid: 0\n")
+    if done:
+        (state / "done").touch()
+    env = {**os.environ, "OUT": str(out), "WMTP_BACKGROUND_STATE": str(state)}
+    result = subprocess.run(
+        ["bash", str(SCRIPT), "follow", "0"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    return result, out
+
+
+def test_follow_packs_the_step_files_whose_names_the_way_back_refuses(tmp_path):
+    root = tmp_path / "tree"
+    raw = root / "results" / "s" / "raw" / "rung~1" / "a"
+    raw.mkdir(parents=True)
+    (raw / "manifest.json").write_text("{}")
+    steps = root / "results" / "s" / "steps" / "m~vllm.csv"
+    steps.parent.mkdir(parents=True)
+    steps.write_text("arm,step_ms\nnone,5.3\n")
+    result, out = _follow(tmp_path, root, done=True)
+    assert result.returncode == 0, result.stderr
+    # nothing under $OUT carries a "~": the step file travels inside steps.tar.gz, the raw files inside raw.tar.gz
+    assert not [p for p in out.rglob("*") if "~" in p.name]
+    with tarfile.open(out / "steps.tar.gz") as tar:
+        assert tar.getnames() == ["results/s/steps/m~vllm.csv"]
+        assert tar.extractfile("results/s/steps/m~vllm.csv").read() == steps.read_bytes()
+    with tarfile.open(out / "raw.tar.gz") as tar:
+        assert "results/s/raw/rung~1/a/manifest.json" in tar.getnames()
+    assert (out / "progress.log").read_text().startswith("h200_background: piece")
+
+
+def test_follow_says_the_runs_go_on_and_brings_no_step_file_before_one_is_made(tmp_path):
+    root = tmp_path / "tree"
+    (root / "results" / "s" / "raw").mkdir(parents=True)
+    result, out = _follow(tmp_path, root, done=False)
+    assert result.returncode == 3, result.stderr
+    assert not (out / "steps.tar.gz").exists() and (out / "load.txt").exists()

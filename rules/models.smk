@@ -70,11 +70,12 @@ rule dummy_model:
         out=lambda wc: MODELS / wc.model,
         # Its max_position_embeddings: the study's length for the model, which the config check relies on.
         max_len=lambda wc: STUDY.model(wc.model).max_model_len,
+        quantization=lambda wc: STUDY.model(wc.model).quantization or "none",
     conda:
         "../envs/pipeline.yaml"
     shell:
         "{params.py} -m wmtp.model.dummy --architecture {input.architecture:q} --out {params.out:q} "
-        "--max-position-embeddings {params.max_len:q} > {log:q} 2>&1"
+        "--max-position-embeddings {params.max_len:q} --quantization {params.quantization:q} > {log:q} 2>&1"
 
 
 # A checkpoint on disk served with the study's RoPE scaling written into its config (wmtp.model.stretch): a folder

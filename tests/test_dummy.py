@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from wmtp.analyze import costmodel
 from wmtp.layout import TRAINED_CHECKPOINT
 from wmtp.measure.identity import model_fingerprint
 from wmtp.measure.tasks import workload_task
@@ -114,3 +116,83 @@ def test_the_cli_refuses_another_family_with_exit_2(tmp_path):
     argv = ["--architecture", str(NEMOTRON), "--out", str(tmp_path / "x"), "--max-position-embeddings", "8"]
     assert dummy.main(argv) == 2
     assert not (tmp_path / "x").exists()
+
+
+# The layers vLLM's Qwen3-Next builds, by prefix, and whether an NVFP4 checkpoint of ModelOpt's recipe keeps each
+# at 16 bits.
+NVFP4_LAYERS = {
+    "model.layers.0.linear_attn.in_proj_qkvz": True,
+    "model.layers.0.linear_attn.out_proj": True,
+    "model.layers.0.mlp.gate": True,
+    "model.layers.0.mlp.shared_expert_gate": True,
+    "lm_head": True,
+    "mtp.layers.0.self_attn.qkv_proj": True,
+    "model.layers.3.self_attn.qkv_proj": False,
+    "model.layers.3.self_attn.o_proj": False,
+    "model.layers.0.mlp.experts": False,
+    "model.layers.0.mlp.shared_expert.gate_up_proj": False,
+}
+
+
+def test_an_nvfp4_dummy_carries_modelopts_config_and_the_cost_model_counts_its_bytes(tmp_path):
+    dummy.write_dummy(QWEN36, tmp_path, MAX_LEN, "nvfp4")
+    config = json.loads((tmp_path / "config.json").read_text())
+    quant = config["quantization_config"]
+    assert (quant["quant_method"], quant["quant_algo"], quant["group_size"]) == ("modelopt", "NVFP4", 16)
+    assert json.loads((tmp_path / "wmtp-model.json").read_text())["quantization"] == "nvfp4"
+    nvfp4 = costmodel.model_from_hf_config(config)
+    plain = costmodel.model_from_hf_config({key: v for key, v in config.items() if key != "quantization_config"})
+    assert plain.quantized_parts == () and nvfp4.quantized_parts == costmodel.NVFP4_PARTS
+    # The verify forward's weights: the attention and MoE weights it touches at 4.5 bits instead of 16, the rest as
+    # they were; the draft (16-bit) and the KV unchanged.
+    tokens = 4
+    quantised = sum(
+        costmodel.layer_params_touched(plain, (part,), tokens)
+        for layer in plain.layers
+        for part in layer
+        if part in ("attn", "moe")
+    )
+    bf16, fp4 = (costmodel.verify_bytes(s, 131072, tokens) for s in (plain, nvfp4))
+    assert bf16.weights - fp4.weights == pytest.approx(quantised * (2 - 0.5625))
+    assert (fp4.kv, fp4.state, fp4.lm_head) == (bf16.kv, bf16.state, bf16.lm_head)
+    assert costmodel.draft_bytes(nvfp4, 131072, "mtp") == costmodel.draft_bytes(plain, 131072, "mtp")
+
+
+def test_a_checkpoint_quantised_otherwise_is_not_counted_as_16_bit(tmp_path):
+    dummy.write_dummy(QWEN36, tmp_path, MAX_LEN)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "quantization_config" not in config
+    fp8 = {**config, "quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8"}}
+    with pytest.raises(ValueError, match="knows NVFP4 only"):
+        costmodel.model_from_hf_config(fp8)
+    # compressed-tensors' NVFP4 (RedHatAI's builds), at the top of a multimodal config beside its text block
+    packed = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"format": "nvfp4-pack-quantized"}}}
+    multimodal = {"text_config": config, "quantization_config": packed}
+    assert costmodel.model_from_hf_config(multimodal).quantized_parts == costmodel.NVFP4_PARTS
+    with pytest.raises(dummy.ArchitectureError, match="nvfp4"):
+        dummy.write_dummy(QWEN36, tmp_path / "fp8", MAX_LEN, "fp8")
+
+
+@pytest.mark.engine
+def test_vllm_reads_the_nvfp4_dummy_as_modelopt_fp4_keeping_the_recurrent_layers_16_bit(engine_python, tmp_path):
+    """vLLM's own ModelOpt parser on the dummy's config.json: the method it picks, the group size, and which layers
+    it leaves unquantised (those the cost model counts at 16 bits)."""
+    dummy.write_dummy(QWEN36, tmp_path, MAX_LEN, "nvfp4")
+    probe = (
+        "import json, sys\n"
+        "from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config\n"
+        "quant = json.load(open(sys.argv[1]))['quantization_config']\n"
+        "config = ModelOptNvFp4Config.from_config(quant)\n"
+        "print('PROBE ' + json.dumps({'method': ModelOptNvFp4Config.override_quantization_method(quant, None),\n"
+        "    'group_size': config.group_size,\n"
+        "    'excluded': {p: config.is_layer_excluded(p) for p in json.loads(sys.argv[2])}}))\n"
+    )
+    proc = subprocess.run(
+        [engine_python, "-c", probe, str(tmp_path / "config.json"), json.dumps(list(NVFP4_LAYERS))],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    seen = json.loads(lines[-1].removeprefix("PROBE "))
+    assert seen["method"] == "modelopt_fp4" and seen["group_size"] == 16
+    assert seen["excluded"] == NVFP4_LAYERS

@@ -232,6 +232,21 @@ def test_architecture_belongs_to_dummy_models_only(embedded_raw):
     refused(embedded_raw, "models[0].architecture only applies to generate: dummy")
 
 
+def test_quantization_belongs_to_dummy_models_only_and_leaves_an_unquantised_identity_alone(embedded_raw):
+    from wmtp.measure.identity import cell_identity
+
+    embedded_raw["models"][0]["quantization"] = "nvfp4"
+    refused(embedded_raw, "models[0].quantization only applies to generate: dummy")
+    plain = study_from_dict(_dummy(embedded_raw))
+    assert plain.model("dummy").quantization is None
+    nvfp4 = study_from_dict(_dummy(embedded_raw, quantization="nvfp4"))
+    assert nvfp4.model("dummy").quantization == "nvfp4"
+    # the key is left out of an unquantised model's dump: its cells keep the identities they had
+    assert "quantization" not in plain.model("dummy").model_dump()
+    cell = next(iter(nvfp4.cells()))
+    assert cell_identity(nvfp4, cell)["model"]["quantization"] == "nvfp4"
+
+
 def test_a_dummy_checkpoint_is_as_long_as_its_max_model_len(embedded_raw):
     # wmtp.model.dummy writes max_model_len as max_position_embeddings: no 32K limit of the tiny shapes.
     study = study_from_dict(_dummy(embedded_raw, max_model_len=1_049_600))

@@ -169,6 +169,8 @@ class ModelSpec(_Strict):
     generate: Literal["tiny", "trained", "dummy"] | None = None
     # A dummy model's architecture: the name of a facts file in config/models (e.g. qwen3.6-35b-a3b).
     architecture: Name | None = None
+    # A dummy model's weight format: nvfp4 writes ModelOpt's NVFP4 quantization_config into its config.json.
+    quantization: Literal["nvfp4"] | None = None
     seed: int = 0
     # The checkpoint on the Hugging Face Hub (org/name); with path, rule `model` fetches it there.
     hf_id: Annotated[str, StringConstraints(pattern=f"^{NAME_PATTERN}/{NAME_PATTERN}$")] | None = None
@@ -188,7 +190,14 @@ class ModelSpec(_Strict):
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # Left out while unset, so that a study that does not use them keeps its cells' identities.
         data = handler(self)
-        for key in ("revision", "prompt_format", "chat_template_kwargs", "architecture", "rope_scaling"):
+        for key in (
+            "revision",
+            "prompt_format",
+            "chat_template_kwargs",
+            "architecture",
+            "quantization",
+            "rope_scaling",
+        ):
             if data.get(key) is None:
                 data.pop(key, None)
         return data
@@ -664,10 +673,11 @@ def _check_dummy(i: int, model: ModelSpec) -> None:
     start-up."""
     name = model.architecture
     if model.generate != "dummy":
-        if name is not None:
-            raise ConfigError(
-                f"config: models[{i}].architecture only applies to generate: dummy (got generate={model.generate!r})"
-            )
+        for key in ("architecture", "quantization"):
+            if getattr(model, key) is not None:
+                raise ConfigError(
+                    f"config: models[{i}].{key} only applies to generate: dummy (got generate={model.generate!r})"
+                )
         return
     known = ", ".join(sorted(p.stem for p in ARCHITECTURES_DIR.glob("*.json")))
     if name is None:

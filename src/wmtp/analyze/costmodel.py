@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,8 +44,42 @@ DTYPE_BYTES: dict[str, int] = {
     "float16": 2,
     "fp8": 1,
     "float8_e4m3fn": 1,
-    "nvfp4": 1,  # rounded up; quantised weights are out of scope for the replica
+    "nvfp4": 1,  # rounded up; a quantised checkpoint's bytes are ModelSpec.quantized_parts / quantized_bytes
 }
+
+#: NVFP4's bytes a weight: four bits, and one FP8 (E4M3) scale per 16 weights (the per-tensor FP32 scale is
+#: negligible).
+NVFP4_BYTES = 0.5 + 1 / 16
+#: What ModelOpt's NVFP4 recipe quantises in these hybrids: the attention projections and the MoE (routed and shared
+#: experts); the recurrent layers, the router, the embedding, the lm_head and the MTP head stay 16-bit.
+NVFP4_PARTS = ("attn", "moe")
+
+
+def with_quantization(spec: ModelSpec, scheme: str | None) -> ModelSpec:
+    """``spec`` with its target's weights quantised as ``scheme`` says (None: as it is; "nvfp4")."""
+    if scheme is None:
+        return spec
+    if scheme != "nvfp4":
+        raise ValueError(f"quantization {scheme!r}: the cost model knows nvfp4 only")
+    return replace(spec, quantized_parts=NVFP4_PARTS, quantized_bytes=NVFP4_BYTES)
+
+
+def hf_quantization(quant: Mapping[str, Any]) -> str | None:
+    """The scheme of a checkpoint's ``quantization_config`` that the cost model counts: "nvfp4" for ModelOpt's
+    NVFP4 (``quant_algo``) and compressed-tensors' (a ``nvfp4-pack-quantized`` format), None where there is none.
+    Another scheme is refused rather than counted as 16-bit weights."""
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    algo = str(quant.get("quant_algo") or (quant.get("quantization") or {}).get("quant_algo") or "").upper()
+    formats = {str(group.get("format", "")) for group in (quant.get("config_groups") or {}).values()}
+    formats.add(str(quant.get("format", "")))
+    if (method == "modelopt" and algo == "NVFP4") or (
+        method == "compressed-tensors" and "nvfp4-pack-quantized" in formats
+    ):
+        return "nvfp4"
+    raise ValueError(f"quantization_config {method!r} {algo or sorted(formats)!r}: the cost model knows NVFP4 only")
+
 
 #: Copy bandwidth (read + write bytes per second) measured on an H200 (docs/design.md, "Measured facts").
 H200_COPY_BANDWIDTH = 4.29e12
@@ -146,6 +180,10 @@ class ModelSpec:
     kv_bytes: int
     state_bytes: int
     conv_state_bytes: int
+    # The target's parts whose weights are quantised, at ``quantized_bytes`` a parameter (scales included); every
+    # other weight (the draft's, the embedding, the lm_head, the recurrent layers) at ``weight_bytes``.
+    quantized_parts: tuple[str, ...] = ()
+    quantized_bytes: float = 0.0
 
     def count(self, component: str, *, mtp: bool = False) -> int:
         layers = self.mtp_layers if mtp else self.layers
@@ -208,12 +246,15 @@ def model_from_dict(d: Mapping[str, Any]) -> ModelSpec:
     return spec
 
 
-def model_from_hf_config(config: Mapping[str, Any], name: str = "") -> ModelSpec:
-    """A Qwen3-Next-shaped Hugging Face ``config.json`` (``layer_types``, linear-attention and MoE keys) as a
-    :class:`ModelSpec`, so checkpoints such as the embedded study's tiny model get the same predictions."""
+def model_from_hf_config(checkpoint: Mapping[str, Any], name: str = "") -> ModelSpec:
+    """A Qwen3-Next-shaped Hugging Face ``config.json`` (``layer_types``, linear-attention and MoE keys; a
+    multimodal one's ``text_config``) as a :class:`ModelSpec`, its weights quantised as its
+    ``quantization_config`` says, so checkpoints such as the embedded study's tiny model get the same predictions."""
+    config = checkpoint.get("text_config", checkpoint)
+    scheme = hf_quantization(checkpoint.get("quantization_config") or config.get("quantization_config") or {})
     kinds = {"linear_attention": "L", "full_attention": "A"}
     pattern = "".join(kinds[t] for t in config["layer_types"])
-    return model_from_dict(
+    spec = model_from_dict(
         {
             "name": name or config.get("model_type", "model"),
             "family": "gdn_moe",
@@ -248,6 +289,7 @@ def model_from_hf_config(config: Mapping[str, Any], name: str = "") -> ModelSpec
             "dtypes": {"recurrent_state": config.get("mamba_ssm_dtype", "float32")},
         }
     )
+    return with_quantization(spec, scheme)
 
 
 def load_model(path: str | Path) -> ModelSpec:
@@ -335,6 +377,16 @@ def layer_params_touched(spec: ModelSpec, parts: tuple[str, ...], tokens: int) -
     return n
 
 
+def layer_weight_bytes(spec: ModelSpec, parts: tuple[str, ...], tokens: int, *, draft: bool = False) -> float:
+    """The bytes of the weights ``tokens`` tokens touch in one layer of ``parts``: each part at its own bytes a
+    weight (a quantised part of the target at ``quantized_bytes``; the draft's at ``weight_bytes``)."""
+    total = 0.0
+    for part in parts:
+        per_weight = spec.quantized_bytes if part in spec.quantized_parts and not draft else spec.weight_bytes
+        total += layer_params_touched(spec, (part,), tokens) * per_weight
+    return total
+
+
 def total_params(spec: ModelSpec, *, include_mtp: bool = True) -> int:
     """All weights (embedding and lm_head included), for cross-checks against published totals."""
     m = spec.moe
@@ -417,7 +469,7 @@ def verify_bytes(
         raise ValueError(f"batch must be >= 1 (got {batch})")
     t = query_tokens
     tokens = batch * t
-    weights = sum(layer_params_touched(spec, parts, tokens) for parts in spec.layers) * spec.weight_bytes
+    weights = sum(layer_weight_bytes(spec, parts, tokens) for parts in spec.layers)
     weights += tokens * spec.hidden_size * spec.weight_bytes  # embedding rows
     kv_tok = kv_bytes_per_token_layer(spec)
     kv = batch * (spec.n_attn * (context + t) * kv_tok + spec.n_attn * t * kv_tok)  # read all visible, write new
@@ -444,10 +496,10 @@ def draft_bytes(
     """One draft forward of the MTP head (one query token for each of ``batch`` requests at ``context``)."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1 (got {batch})")
-    weights = sum(layer_params_touched(spec, parts, batch) for parts in spec.mtp_layers)
+    weights = sum(layer_weight_bytes(spec, parts, batch, draft=True) for parts in spec.mtp_layers)
     if spec.mtp_fusion_proj:
-        weights += spec.mtp_blocks * 2 * spec.hidden_size * spec.hidden_size
-    weights = weights * spec.weight_bytes + batch * spec.hidden_size * spec.weight_bytes  # + embedding rows
+        weights += spec.mtp_blocks * 2 * spec.hidden_size * spec.hidden_size * spec.weight_bytes
+    weights += batch * spec.hidden_size * spec.weight_bytes  # embedding rows
     kv_tok = kv_bytes_per_token_layer(spec)
     kv = batch * spec.n_draft_attn * (draft_kv_tokens(context, arm, sink, window) + 1) * kv_tok
     return ForwardBytes(weights=weights, kv=kv, state=0.0, lm_head=lm_head_bytes(spec))

@@ -64,7 +64,7 @@ def predicted_ring_reclaim(manifest: dict) -> float:
     if cell["arm"] not in analysis.WINDOWED_ARMS or not config or not length:
         return math.nan
     try:
-        spec = costmodel.model_from_hf_config(config.get("text_config", config))
+        spec = costmodel.model_from_hf_config(config)
     except (KeyError, TypeError, ValueError):
         return math.nan
     plain = costmodel.kv_memory(spec, int(length), sink=cell["sink"], window=cell["window"], ring=False).total
@@ -162,7 +162,7 @@ def byte_floor_ms(manifest: dict, prompt_tokens: int) -> tuple[float, float]:
     if bandwidth is None or not config:
         return math.nan, math.nan
     try:
-        spec = costmodel.model_from_hf_config(config.get("text_config", config))
+        spec = costmodel.model_from_hf_config(config)
     except (KeyError, TypeError, ValueError):
         return math.nan, bandwidth
     arm = cell["arm"] if cell["arm"] in ("none", "mtp") else "wmtp"

@@ -11,6 +11,12 @@ their exact lengths) with its vocabulary padded up to the architecture's: random
 produces one, and each decodes to a tab and its id (``"\\t<248319>"``), which the copy workload's draw of
 printable vocabulary tokens leaves out.
 
+With ``--quantization nvfp4`` the config also carries ModelOpt's NVFP4 ``quantization_config``, so vLLM builds
+its layers as NVFP4 (on Hopper through its Marlin W4A16 kernels) and fills them with dummy 4-bit weights: the
+bytes a step reads are an NVFP4 checkpoint's, and larger shapes fit one GPU. What it quantises is ModelOpt's recipe
+for these hybrids (wmtp.analyze.costmodel.NVFP4_PARTS counts the same): the attention projections and the MoE's
+experts, not the Gated DeltaNet layers, the routers, the lm_head or the MTP head.
+
 Needs only ``tokenizers`` beyond the standard library: it runs in the pipeline's own environment.
 """
 
@@ -35,6 +41,24 @@ MIXERS = {"gdn": "linear_attention", "attn": "full_attention"}
 BASE_TOKENIZER = TRAINED_CHECKPOINT / "tokenizer.json"
 # The padding entries, in the byte-level alphabet: "ĉ" is the tab byte, so an entry decodes to "\t<id>".
 PAD_TOKEN = "ĉ<{id}>"
+
+
+QUANTIZATIONS = ("none", "nvfp4")
+# Module names (fnmatch patterns over vLLM's layer prefixes) an NVFP4 checkpoint keeps at 16 bits.
+NVFP4_KEPT = ["lm_head", "*linear_attn*", "*mlp.gate", "*shared_expert_gate", "*mtp*"]
+
+
+def quantization_config(scheme: str) -> dict[str, Any] | None:
+    """The ``quantization_config`` of a dummy checkpoint quantised as ``scheme`` ("none": no key at all)."""
+    if scheme == "none":
+        return None
+    if scheme != "nvfp4":
+        raise ArchitectureError(
+            f"quantization {scheme!r}: a dummy checkpoint is written as {' or '.join(QUANTIZATIONS)}"
+        )
+    # ModelOpt's NVFP4 as vLLM reads it from config.json: 4-bit weights in groups of 16 with FP8 scales; the KV
+    # cache stays 16-bit, as in the studies' unquantised checkpoints.
+    return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": list(NVFP4_KEPT)}
 
 
 class ArchitectureError(ValueError):
@@ -144,17 +168,27 @@ def padded_tokenizer(tokenizer: Mapping[str, Any], vocab_size: int) -> dict[str,
     return out
 
 
-def write_dummy(architecture: Path, out_dir: Path, max_position_embeddings: int) -> dict[str, Any]:
+def write_dummy(
+    architecture: Path, out_dir: Path, max_position_embeddings: int, quantization: str = "none"
+) -> dict[str, Any]:
     """Write config.json, tokenizer.json, tokenizer_config.json and wmtp-model.json; returns the config."""
     arch = json.loads(architecture.read_text())
     shape = shape_from_architecture(arch, max_position_embeddings, str(architecture))
     config = dummy_config(shape, int(arch["mtp"]["num_layers"]), int(arch["gdn"].get("conv_kernel", 4)))
+    quant = quantization_config(quantization)
+    if quant is not None:
+        config["quantization_config"] = quant
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = padded_tokenizer(json.loads(BASE_TOKENIZER.read_text()), shape.vocab_size)
     (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
     write_tokenizer_config(out_dir, max_position_embeddings)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    manifest = {"architecture": arch.get("name"), "facts_file": architecture.name, "weights": "none (dummy)"}
+    manifest = {
+        "architecture": arch.get("name"),
+        "facts_file": architecture.name,
+        "weights": "none (dummy)",
+        "quantization": quantization,
+    }
     (out_dir / "wmtp-model.json").write_text(json.dumps(manifest, indent=2))
     log.info("wrote %s: %d layers, vocab %d, no weights", out_dir, config["num_hidden_layers"], shape.vocab_size)
     return config
@@ -167,10 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-position-embeddings", type=int, required=True, help="the model's max_model_len in the study"
     )
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATIONS, default="none", help="the weights' format vLLM builds (default none)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        write_dummy(args.architecture, args.out, args.max_position_embeddings)
+        write_dummy(args.architecture, args.out, args.max_position_embeddings, args.quantization)
     except ArchitectureError as err:
         log.error("%s", err)
         return 2

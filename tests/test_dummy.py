@@ -55,10 +55,63 @@ def test_the_config_matches_what_the_tiny_builder_writes_through_transformers():
     assert {key: written[key] for key in config} == config
 
 
-def test_a_family_other_than_gdn_moe_is_refused_by_file_and_family():
+def test_a_family_other_than_gdn_moe_is_no_qwen3_next_shape():
     arch = json.loads(NEMOTRON.read_text())
-    with pytest.raises(dummy.ArchitectureError, match=r"nemotron-3-super-120b-a12b\.json: family 'mamba2_moe'"):
+    with pytest.raises(dummy.ArchitectureError, match=r"nemotron-3-super-120b-a12b\.json: family 'mamba2_moe' is not"):
         dummy.shape_from_architecture(arch, MAX_LEN, str(NEMOTRON))
+
+
+def test_a_nemotron_dummy_has_the_facts_files_patterns_and_latent_moe(tmp_path):
+    arch = json.loads(NEMOTRON.read_text())
+    config = dummy.write_dummy(NEMOTRON, tmp_path, MAX_LEN)
+    assert config["architectures"] == ["NemotronHForCausalLM"] and config["model_type"] == "nemotron_h"
+    pattern = config["hybrid_override_pattern"]
+    assert len(pattern) == config["num_hidden_layers"] == len(arch["layer_pattern"]) == 88
+    assert (pattern.count("M"), pattern.count("E"), pattern.count("*")) == (40, 40, 8)
+    assert config["mtp_hybrid_override_pattern"] == "*E" and config["num_nextn_predict_layers"] == 1
+    # Mamba-2's 128 heads of 64 are twice the hidden size; routed experts in the latent 1,024, the shared in 4,096
+    assert config["mamba_expand"] == 2 and config["moe_latent_size"] == 1024
+    assert (config["n_routed_experts"], config["num_experts_per_tok"]) == (512, 22)
+    assert config["max_position_embeddings"] == MAX_LEN and config["vocab_size"] == 131072
+    assert not any(p.suffix == ".safetensors" for p in tmp_path.iterdir())
+    with pytest.raises(dummy.ArchitectureError, match="unquantised only"):
+        dummy.write_dummy(NEMOTRON, tmp_path / "q", MAX_LEN, "nvfp4")
+
+
+def test_the_cost_model_reads_back_from_a_nemotron_dummy_the_facts_it_was_written_from(tmp_path):
+    """The byte floor of a Nemotron-H cell comes from its config.json: the same model as the facts file."""
+    from dataclasses import replace
+
+    config = dummy.write_dummy(NEMOTRON, tmp_path, MAX_LEN)
+    facts = costmodel.load_model(NEMOTRON)
+    assert replace(costmodel.model_from_hf_config(config), name=facts.name) == facts
+
+
+def test_a_layer_nemotron_h_does_not_build_is_refused():
+    arch = json.loads(NEMOTRON.read_text())
+    arch["pattern_legend"]["E"] = ["mamba2", "moe"]
+    with pytest.raises(dummy.ArchitectureError, match=r"layer_pattern\[1\] 'E' is mamba2 \+ moe"):
+        dummy.nemotron_config(arch, MAX_LEN, "x.json")
+
+
+@pytest.mark.engine
+def test_the_engines_transformers_reads_the_nemotron_dummy_as_its_layers(engine_python, tmp_path):
+    """The CPU engine's transformers (NemotronHConfig) reads the dummy's config.json: 40 Mamba-2, 40 MoE and 8
+    attention layers, the latent MoE and the MTP pattern."""
+    dummy.write_dummy(NEMOTRON, tmp_path, MAX_LEN)
+    probe = (
+        "import collections, json, sys\n"
+        "from transformers import AutoConfig\n"
+        "c = AutoConfig.from_pretrained(sys.argv[1])\n"
+        "print('PROBE ' + json.dumps({'kind': type(c).__name__, 'layers': collections.Counter(c.layers_block_type),\n"
+        "    'latent': c.moe_latent_size, 'mtp': c.mtp_hybrid_override_pattern, 'groups': c.n_groups}))\n"
+    )
+    proc = subprocess.run([engine_python, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    seen = json.loads(lines[-1].removeprefix("PROBE "))
+    assert seen["kind"] == "NemotronHConfig" and seen["latent"] == 1024 and seen["mtp"] == "*E" and seen["groups"] == 8
+    assert seen["layers"] == {"linear_attention": 40, "moe": 40, "full_attention": 8}
 
 
 def test_a_layer_the_legend_does_not_make_of_gdn_or_attn_and_moe_is_refused():
@@ -113,7 +166,9 @@ def test_a_weightless_checkpoint_has_a_fingerprint_that_follows_its_config(check
 
 
 def test_the_cli_refuses_another_family_with_exit_2(tmp_path):
-    argv = ["--architecture", str(NEMOTRON), "--out", str(tmp_path / "x"), "--max-position-embeddings", "8"]
+    dense = tmp_path / "dense-8b.json"
+    dense.write_text(json.dumps({**json.loads(QWEN36.read_text()), "family": "dense"}))
+    argv = ["--architecture", str(dense), "--out", str(tmp_path / "x"), "--max-position-embeddings", "8"]
     assert dummy.main(argv) == 2
     assert not (tmp_path / "x").exists()
 

@@ -215,12 +215,21 @@ def test_a_dummy_model_served_without_dummy_weights_is_refused(embedded_raw):
     refused(_dummy(embedded_raw, serve_args=overridden), "--load-format dummy")
 
 
-def test_a_dummy_model_of_another_family_or_unknown_architecture_is_refused(embedded_raw):
+def test_a_dummy_model_of_another_family_or_unknown_architecture_is_refused(embedded_raw, monkeypatch, tmp_path):
+    from wmtp import config
+
+    facts = json.loads(config.architecture_file("qwen3.6-35b-a3b").read_text())
+    (tmp_path / "dense-8b.json").write_text(json.dumps({**facts, "family": "dense"}))
+    monkeypatch.setattr(config, "ARCHITECTURES_DIR", tmp_path)
     refused(
-        _dummy(embedded_raw, architecture="nemotron-3-super-120b-a12b"),
-        "models[0].architecture 'nemotron-3-super-120b-a12b': nemotron-3-super-120b-a12b.json is of family "
-        "'mamba2_moe'",
+        _dummy(embedded_raw, architecture="dense-8b"),
+        "models[0].architecture 'dense-8b': dense-8b.json is of family 'dense'; a dummy checkpoint is written for "
+        "gdn_moe, mamba2_moe only",
     )
+    monkeypatch.undo()
+    # Nemotron-H (Mamba-2 and latent MoE) is one
+    study = study_from_dict(_dummy(embedded_raw, architecture="nemotron-3-super-120b-a12b"))
+    assert study.model("dummy").architecture == "nemotron-3-super-120b-a12b"
     refused(_dummy(embedded_raw, architecture="nope"), "models[0].architecture 'nope': no ", "known: ")
     raw = _dummy(embedded_raw)
     del raw["models"][0]["architecture"]

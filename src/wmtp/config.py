@@ -82,9 +82,9 @@ COPY_MIN_TOKENS = COPY_LEAD_TOKENS + COPY_PASSAGE_TOKENS + COPY_CUE_TOKENS + 64
 # kept here because config sits below wmtp.model; tests/test_refusals.py checks that the two agree.
 GENERATED_MAX_POSITIONS = 32768
 # The architecture facts files (config/models/<name>.json) that a `generate: dummy` model names; wmtp.model.dummy
-# writes a weightless checkpoint of the families listed here (a Qwen3-Next config.json vLLM serves).
+# writes a weightless checkpoint of the families listed here (a Qwen3-Next or a Nemotron-H config.json vLLM serves).
 ARCHITECTURES_DIR = REPO_ROOT / "config" / "models"
-DUMMY_FAMILIES = ("gdn_moe",)
+DUMMY_FAMILIES = ("gdn_moe", "mamba2_moe")
 # What each engine kind reads to override the checkpoint's config.json, and the variable that lets it serve beyond
 # the checkpoint's own length (without it the engine refuses such a max_model_len at start-up).
 CONFIG_OVERRIDE_FLAGS = {"vllm": "--hf-overrides", "sglang": "--json-model-override-args"}

@@ -252,6 +252,8 @@ def model_from_hf_config(checkpoint: Mapping[str, Any], name: str = "") -> Model
     ``quantization_config`` says, so checkpoints such as the embedded study's tiny model get the same predictions."""
     config = checkpoint.get("text_config", checkpoint)
     scheme = hf_quantization(checkpoint.get("quantization_config") or config.get("quantization_config") or {})
+    if config.get("model_type") == "nemotron_h":
+        return with_quantization(_nemotron_from_hf_config(config, name), scheme)
     kinds = {"linear_attention": "L", "full_attention": "A"}
     pattern = "".join(kinds[t] for t in config["layer_types"])
     spec = model_from_dict(
@@ -290,6 +292,50 @@ def model_from_hf_config(checkpoint: Mapping[str, Any], name: str = "") -> Model
         }
     )
     return with_quantization(spec, scheme)
+
+
+def _nemotron_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec:
+    """A Nemotron-H ``config.json`` (``hybrid_override_pattern``: M Mamba-2, * attention, E MoE, - dense MLP is not
+    modelled) as a :class:`ModelSpec`."""
+    hidden = config["hidden_size"]
+    return model_from_dict(
+        {
+            "name": name or "nemotron_h",
+            "family": "mamba2_moe",
+            "hidden_size": hidden,
+            "vocab_size": config["vocab_size"],
+            "layer_pattern": config["hybrid_override_pattern"],
+            "pattern_legend": {"M": ["mamba2"], "E": ["moe"], "*": ["attn"]},
+            "attention": {
+                "num_q_heads": config["num_attention_heads"],
+                "num_kv_heads": config["num_key_value_heads"],
+                "head_dim": config["head_dim"],
+                "output_gate": False,
+            },
+            "gdn": None,
+            "mamba2": {
+                "num_heads": config["mamba_num_heads"],
+                "head_dim": config["mamba_head_dim"],
+                "n_groups": config["mamba_n_groups"],
+                "state_size": config["ssm_state_size"],
+                "conv_kernel": config["mamba_d_conv"],
+            },
+            "moe": {
+                "num_experts": config["n_routed_experts"],
+                "top_k": config["num_experts_per_tok"],
+                "expert_intermediate_size": config["moe_intermediate_size"],
+                "activation": config.get("mlp_hidden_act", "relu2"),
+                "latent_size": config.get("moe_latent_size"),
+                "shared_experts": config.get("n_shared_experts", 1),
+                "shared_intermediate_size": config["moe_shared_expert_intermediate_size"],
+                "shared_expert_gate": False,
+            },
+            "mtp": {
+                "num_layers": config.get("num_nextn_predict_layers", 1),
+                "layer_pattern": config.get("mtp_hybrid_override_pattern", "*E"),
+            },
+        }
+    )
 
 
 def load_model(path: str | Path) -> ModelSpec:

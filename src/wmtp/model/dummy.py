@@ -2,8 +2,9 @@
 
 From an architecture facts file (config/models/<name>.json) it writes a Hugging Face checkpoint directory that
 vLLM serves with ``--load-format dummy``: ``config.json`` of a Qwen3-Next (``Qwen3NextForCausalLM`` with its
-MTP layers, the tiny model's config at the architecture's shape) and a tokenizer, but no weight files. Only the
-``gdn_moe`` family is written; the others (Nemotron's Mamba-2 layers) are refused.
+MTP layers, the tiny model's config at the architecture's shape) for the ``gdn_moe`` family, or of a Nemotron-H
+(``NemotronHForCausalLM``: Mamba-2, attention and latent-MoE layers in the facts file's pattern, with its MTP
+pattern) for the ``mamba2_moe`` family, and a tokenizer, but no weight files.
 
 The tokenizer is the committed tiny tokenizer (byte-level BPE on standard-library source, so code prompts keep
 their exact lengths) with its vocabulary padded up to the architecture's: random weights generate any id below
@@ -34,7 +35,10 @@ from wmtp.model.tiny import TinyShape, write_tokenizer_config
 
 log = logging.getLogger(__name__)
 
-FAMILIES = ("gdn_moe",)
+FAMILIES = ("gdn_moe", "mamba2_moe")
+# Nemotron-H's letter for each layer the facts file's legend makes (hybrid_override_pattern): Mamba-2, attention,
+# MoE.
+NEMOTRON_LETTERS = {("mamba2",): "M", ("attn",): "*", ("moe",): "E"}
 # What the facts file's layer_pattern legend calls a layer's mixer, and Qwen3-Next's layer_types for it.
 MIXERS = {"gdn": "linear_attention", "attn": "full_attention"}
 # The tokenizer the padded one starts from: small, committed, and trained on the workload's corpus.
@@ -68,10 +72,8 @@ class ArchitectureError(ValueError):
 def shape_from_architecture(arch: Mapping[str, Any], max_position_embeddings: int, source: str) -> TinyShape:
     """The Qwen3-Next shape of a ``gdn_moe`` facts file; ``source`` (its path) names it in errors."""
     family = arch.get("family")
-    if family not in FAMILIES:
-        raise ArchitectureError(
-            f"{source}: family {family!r} has no dummy checkpoint (written for {', '.join(FAMILIES)} only)"
-        )
+    if family != "gdn_moe":
+        raise ArchitectureError(f"{source}: family {family!r} is not a Qwen3-Next (gdn_moe)")
     legend = arch["pattern_legend"]
     layer_types = []
     for i, letter in enumerate(arch["layer_pattern"]):
@@ -153,6 +155,73 @@ def dummy_config(shape: TinyShape, mtp_layers: int, conv_kernel: int = 4) -> dic
     }
 
 
+def nemotron_pattern(pattern: str, legend: Mapping[str, Any], where: str) -> str:
+    """A facts file's layer pattern in Nemotron-H's letters (M Mamba-2, * attention, E MoE)."""
+    out = []
+    for i, letter in enumerate(pattern):
+        parts = tuple(legend[letter])
+        if parts not in NEMOTRON_LETTERS:
+            raise ArchitectureError(f"{where}[{i}] {letter!r} is {' + '.join(parts)}; Nemotron-H layers are one of "
+                                    "mamba2, attn or moe")  # fmt: skip
+        out.append(NEMOTRON_LETTERS[parts])
+    return "".join(out)
+
+
+def nemotron_config(arch: Mapping[str, Any], max_position_embeddings: int, source: str) -> dict[str, Any]:
+    """config.json of a Nemotron-H (vLLM's NemotronHConfig keys) at a ``mamba2_moe`` facts file's shape: its layer
+    and MTP patterns, Mamba-2 heads and groups, attention heads (no position embedding), and the latent MoE (routed
+    experts in ``moe.latent_size``, the shared expert in the hidden size, ReLU² experts)."""
+    if arch.get("family") != "mamba2_moe":
+        raise ArchitectureError(f"{source}: family {arch.get('family')!r} is not a Nemotron-H (mamba2_moe)")
+    legend, attention, mamba, moe, mtp = (arch[k] for k in ("pattern_legend", "attention", "mamba2", "moe", "mtp"))
+    pattern = nemotron_pattern(arch["layer_pattern"], legend, f"{source}: layer_pattern")
+    mtp_pattern = nemotron_pattern(mtp["layer_pattern"], legend, f"{source}: mtp.layer_pattern")
+    if moe.get("shared_experts") != 1 or moe.get("activation") != "relu2":
+        raise ArchitectureError(f"{source}: Nemotron-H's MoE has one shared expert and ReLU² experts (got "
+                                f"{moe.get('shared_experts')}, {moe.get('activation')!r})")  # fmt: skip
+    hidden = arch["hidden_size"]
+    return {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "dtype": "bfloat16",
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": 0,
+        "vocab_size": arch["vocab_size"],
+        "tie_word_embeddings": bool(arch.get("tie_word_embeddings", False)),
+        "hidden_size": hidden,
+        "num_hidden_layers": len(pattern),
+        "hybrid_override_pattern": pattern,
+        "mtp_hybrid_override_pattern": mtp_pattern,
+        "num_nextn_predict_layers": int(mtp["num_layers"]),
+        "num_attention_heads": attention["num_q_heads"],
+        "num_key_value_heads": attention["num_kv_heads"],
+        "head_dim": attention["head_dim"],
+        "attention_bias": False,
+        "max_position_embeddings": max_position_embeddings,
+        "mamba_num_heads": mamba["num_heads"],
+        "mamba_head_dim": mamba["head_dim"],
+        "mamba_n_groups": mamba["n_groups"],
+        "ssm_state_size": mamba["state_size"],
+        "mamba_d_conv": mamba["conv_kernel"],
+        # Mamba-2's inner width over the hidden size, which vLLM sizes the in-projection by.
+        "mamba_expand": mamba["num_heads"] * mamba["head_dim"] // hidden,
+        "mamba_hidden_act": "silu",
+        "n_routed_experts": moe["num_experts"],
+        "num_experts_per_tok": moe["top_k"],
+        "moe_intermediate_size": moe["expert_intermediate_size"],
+        "n_shared_experts": 1,
+        "moe_shared_expert_intermediate_size": moe["shared_intermediate_size"],
+        "moe_latent_size": moe.get("latent_size"),
+        "mlp_hidden_act": "relu2",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "layer_norm_epsilon": 1e-05,
+        "use_cache": True,
+    }
+
+
 def padded_tokenizer(tokenizer: Mapping[str, Any], vocab_size: int) -> dict[str, Any]:
     """A BPE tokenizer.json whose vocabulary is padded with unreachable entries (PAD_TOKEN) up to ``vocab_size``."""
     vocab = dict(tokenizer["model"]["vocab"])
@@ -173,13 +242,21 @@ def write_dummy(
 ) -> dict[str, Any]:
     """Write config.json, tokenizer.json, tokenizer_config.json and wmtp-model.json; returns the config."""
     arch = json.loads(architecture.read_text())
-    shape = shape_from_architecture(arch, max_position_embeddings, str(architecture))
-    config = dummy_config(shape, int(arch["mtp"]["num_layers"]), int(arch["gdn"].get("conv_kernel", 4)))
+    if arch.get("family") == "mamba2_moe":
+        if quantization != "none":
+            # ModelOpt's recipe for these layers (Mamba-2 mixers, latent experts) is not the one NVFP4_KEPT names.
+            raise ArchitectureError(f"{architecture}: a Nemotron-H dummy is written unquantised only")
+        config = nemotron_config(arch, max_position_embeddings, str(architecture))
+        vocab_size = int(config["vocab_size"])
+    else:
+        shape = shape_from_architecture(arch, max_position_embeddings, str(architecture))
+        config = dummy_config(shape, int(arch["mtp"]["num_layers"]), int(arch["gdn"].get("conv_kernel", 4)))
+        vocab_size = shape.vocab_size
     quant = quantization_config(quantization)
     if quant is not None:
         config["quantization_config"] = quant
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = padded_tokenizer(json.loads(BASE_TOKENIZER.read_text()), shape.vocab_size)
+    tokenizer = padded_tokenizer(json.loads(BASE_TOKENIZER.read_text()), vocab_size)
     (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
     write_tokenizer_config(out_dir, max_position_embeddings)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -190,7 +267,7 @@ def write_dummy(
         "quantization": quantization,
     }
     (out_dir / "wmtp-model.json").write_text(json.dumps(manifest, indent=2))
-    log.info("wrote %s: %d layers, vocab %d, no weights", out_dir, config["num_hidden_layers"], shape.vocab_size)
+    log.info("wrote %s: %d layers, vocab %d, no weights", out_dir, config["num_hidden_layers"], vocab_size)
     return config
 
 

@@ -74,8 +74,6 @@ def test_a_nemotron_dummy_has_the_facts_files_patterns_and_latent_moe(tmp_path):
     assert (config["n_routed_experts"], config["num_experts_per_tok"]) == (512, 22)
     assert config["max_position_embeddings"] == MAX_LEN and config["vocab_size"] == 131072
     assert not any(p.suffix == ".safetensors" for p in tmp_path.iterdir())
-    with pytest.raises(dummy.ArchitectureError, match="unquantised only"):
-        dummy.write_dummy(NEMOTRON, tmp_path / "q", MAX_LEN, "nvfp4")
 
 
 def test_the_cost_model_reads_back_from_a_nemotron_dummy_the_facts_it_was_written_from(tmp_path):
@@ -228,11 +226,31 @@ def test_a_checkpoint_quantised_otherwise_is_not_counted_as_16_bit(tmp_path):
         dummy.write_dummy(QWEN36, tmp_path / "fp8", MAX_LEN, "fp8")
 
 
+# The same for vLLM's Nemotron-H: Mamba-2 mixers (in_proj, out_proj), attention mixers (qkv_proj, o_proj), MoE mixers
+# (gate, fc1/fc2_latent_proj, experts, shared_experts).
+NEMOTRON_NVFP4_LAYERS = {
+    "model.layers.0.mixer.in_proj": True,
+    "model.layers.0.mixer.out_proj": True,
+    "model.layers.1.mixer.gate": True,
+    "model.layers.1.mixer.fc1_latent_proj": True,
+    "model.layers.1.mixer.fc2_latent_proj": True,
+    "lm_head": True,
+    "mtp.layers.0.mixer.qkv_proj": True,
+    "model.layers.1.mixer.experts": False,
+    "model.layers.1.mixer.shared_experts.up_proj": False,
+    "model.layers.7.mixer.qkv_proj": False,
+    "model.layers.7.mixer.o_proj": False,
+}
+
+
 @pytest.mark.engine
-def test_vllm_reads_the_nvfp4_dummy_as_modelopt_fp4_keeping_the_recurrent_layers_16_bit(engine_python, tmp_path):
+@pytest.mark.parametrize(("facts", "layers"), [(QWEN36, NVFP4_LAYERS), (NEMOTRON, NEMOTRON_NVFP4_LAYERS)])
+def test_vllm_reads_an_nvfp4_dummy_as_modelopt_fp4_keeping_the_recurrent_layers_16_bit(
+    engine_python, tmp_path, facts, layers
+):
     """vLLM's own ModelOpt parser on the dummy's config.json: the method it picks, the group size, and which layers
     it leaves unquantised (those the cost model counts at 16 bits)."""
-    dummy.write_dummy(QWEN36, tmp_path, MAX_LEN, "nvfp4")
+    dummy.write_dummy(facts, tmp_path, MAX_LEN, "nvfp4")
     probe = (
         "import json, sys\n"
         "from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config\n"
@@ -243,11 +261,11 @@ def test_vllm_reads_the_nvfp4_dummy_as_modelopt_fp4_keeping_the_recurrent_layers
         "    'excluded': {p: config.is_layer_excluded(p) for p in json.loads(sys.argv[2])}}))\n"
     )
     proc = subprocess.run(
-        [engine_python, "-c", probe, str(tmp_path / "config.json"), json.dumps(list(NVFP4_LAYERS))],
+        [engine_python, "-c", probe, str(tmp_path / "config.json"), json.dumps(list(layers))],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     seen = json.loads(lines[-1].removeprefix("PROBE "))
     assert seen["method"] == "modelopt_fp4" and seen["group_size"] == 16
-    assert seen["excluded"] == NVFP4_LAYERS
+    assert seen["excluded"] == layers

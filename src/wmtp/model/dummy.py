@@ -16,7 +16,7 @@ With ``--quantization nvfp4`` the config also carries ModelOpt's NVFP4 ``quantiz
 its layers as NVFP4 (on Hopper through its Marlin W4A16 kernels) and fills them with dummy 4-bit weights: the
 bytes a step reads are an NVFP4 checkpoint's, and larger shapes fit one GPU. What it quantises is ModelOpt's recipe
 for these hybrids (wmtp.analyze.costmodel.NVFP4_PARTS counts the same): the attention projections and the MoE's
-experts, not the Gated DeltaNet layers, the routers, the lm_head or the MTP head.
+experts, not the recurrent layers (Gated DeltaNet, Mamba-2), the routers, the lm_head or the MTP head.
 
 Needs only ``tokenizers`` beyond the standard library: it runs in the pipeline's own environment.
 """
@@ -48,12 +48,18 @@ PAD_TOKEN = "ĉ<{id}>"
 
 
 QUANTIZATIONS = ("none", "nvfp4")
-# Module names (fnmatch patterns over vLLM's layer prefixes) an NVFP4 checkpoint keeps at 16 bits.
-NVFP4_KEPT = ["lm_head", "*linear_attn*", "*mlp.gate", "*shared_expert_gate", "*mtp*"]
+# Module names (fnmatch patterns over vLLM's layer prefixes) an NVFP4 checkpoint keeps at 16 bits, by family: the
+# recurrent layers (Gated DeltaNet; Mamba-2's in and out projections), the routers (and Nemotron-H's latent
+# projections around its experts), the lm_head and the MTP head.
+NVFP4_KEPT = {
+    "gdn_moe": ["lm_head", "*linear_attn*", "*mlp.gate", "*shared_expert_gate", "*mtp*"],
+    "mamba2_moe": ["lm_head", "*mixer.in_proj", "*mixer.out_proj", "*mixer.gate", "*latent_proj", "*mtp*"],
+}
 
 
-def quantization_config(scheme: str) -> dict[str, Any] | None:
-    """The ``quantization_config`` of a dummy checkpoint quantised as ``scheme`` ("none": no key at all)."""
+def quantization_config(scheme: str, family: str = "gdn_moe") -> dict[str, Any] | None:
+    """The ``quantization_config`` of a dummy checkpoint of ``family`` quantised as ``scheme`` ("none": no key at
+    all)."""
     if scheme == "none":
         return None
     if scheme != "nvfp4":
@@ -62,7 +68,7 @@ def quantization_config(scheme: str) -> dict[str, Any] | None:
         )
     # ModelOpt's NVFP4 as vLLM reads it from config.json: 4-bit weights in groups of 16 with FP8 scales; the KV
     # cache stays 16-bit, as in the studies' unquantised checkpoints.
-    return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": list(NVFP4_KEPT)}
+    return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": list(NVFP4_KEPT[family])}
 
 
 class ArchitectureError(ValueError):
@@ -243,16 +249,13 @@ def write_dummy(
     """Write config.json, tokenizer.json, tokenizer_config.json and wmtp-model.json; returns the config."""
     arch = json.loads(architecture.read_text())
     if arch.get("family") == "mamba2_moe":
-        if quantization != "none":
-            # ModelOpt's recipe for these layers (Mamba-2 mixers, latent experts) is not the one NVFP4_KEPT names.
-            raise ArchitectureError(f"{architecture}: a Nemotron-H dummy is written unquantised only")
         config = nemotron_config(arch, max_position_embeddings, str(architecture))
         vocab_size = int(config["vocab_size"])
     else:
         shape = shape_from_architecture(arch, max_position_embeddings, str(architecture))
         config = dummy_config(shape, int(arch["mtp"]["num_layers"]), int(arch["gdn"].get("conv_kernel", 4)))
         vocab_size = shape.vocab_size
-    quant = quantization_config(quantization)
+    quant = quantization_config(quantization, str(arch.get("family")))
     if quant is not None:
         config["quantization_config"] = quant
     out_dir.mkdir(parents=True, exist_ok=True)

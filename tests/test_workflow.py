@@ -129,6 +129,16 @@ def test_the_tuned_h200_study_serves_its_attention_options_and_its_step_file_kee
     assert "results/h200-vllm-tuned/steps/qwen3.6-35b-a3b~vllm-tuned.csv" in out.stdout
 
 
+def test_the_paper_shapes_study_writes_three_nvfp4_dummies_and_plans_a_piece_per_model_and_arm(tmp_path):
+    out = run("-n", "--configfile", "config/studies/h200-paper-shapes.yaml", *scratch_dirs(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    jobs = job_counts(out.stdout)
+    assert jobs["dummy_model"] == 3 and jobs["piece"] == 9 and jobs["step_table"] == 3
+    for facts in ("qwen3.6-35b-a3b", "qwen3.5-122b-a10b", "nemotron-3-super-120b-a12b"):
+        assert re.search(rf"-m wmtp\.model\.dummy --architecture \S*/config/models/{re.escape(facts)}\.json .*"
+                         r"--max-position-embeddings 1040576 --quantization nvfp4 ", out.stdout), facts  # fmt: skip
+
+
 def test_bad_config_fails_before_anything_runs(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((REPO / "config" / "config.yaml").read_text().replace("k: [3]", "k: [0]"))

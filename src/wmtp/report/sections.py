@@ -59,6 +59,7 @@ from wmtp.report.load import (
     load_replica_table,
     load_tidy,
 )
+from wmtp.report.paper_steps import paper_steps_section
 from wmtp.report.window_cost import window_cost_section
 
 NOTE_NO_POWER = "not measured: no NVML on this machine"
@@ -586,6 +587,8 @@ class ReportData:
     engine_growth: Section
     #: Which sink and window the replica and the real engine ran.
     engine_windows: str
+    #: The artifact's published steps beside their byte floors and the real engine's steps at the same shape.
+    paper_steps: Section
 
 
 def load_report_data(
@@ -651,4 +654,5 @@ def load_report_data(
         engine_clock=clock_check_section(steps),
         engine_growth=growth_check_section(steps),
         engine_windows=windows_sentence(steps, replica_table),
+        paper_steps=paper_steps_section(published, steps),
     )

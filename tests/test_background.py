@@ -54,3 +54,17 @@ def test_follow_says_the_runs_go_on_and_brings_no_step_file_before_one_is_made(t
     result, out = _follow(tmp_path, root, done=False)
     assert result.returncode == 3, result.stderr
     assert not (out / "steps.tar.gz").exists() and (out / "load.txt").exists()
+
+
+def test_start_empties_no_folder_but_one_of_earlier_runs(tmp_path):
+    state = tmp_path / "mine"
+    state.mkdir()
+    (state / "precious.txt").write_text("not the runs'")
+    env = {**os.environ, "WMTP_BACKGROUND_STATE": str(state)}
+    result = subprocess.run(
+        ["bash", str(SCRIPT), "start", "10", "config/studies/h200-vllm.yaml"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "holds files of no earlier runs" in result.stderr
+    assert (state / "precious.txt").read_text() == "not the runs'"

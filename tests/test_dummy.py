@@ -196,14 +196,19 @@ def test_an_nvfp4_dummy_carries_modelopts_config_and_the_cost_model_counts_its_b
     nvfp4 = costmodel.model_from_hf_config(config)
     plain = costmodel.model_from_hf_config({key: v for key, v in config.items() if key != "quantization_config"})
     assert plain.quantized_parts == () and nvfp4.quantized_parts == costmodel.NVFP4_PARTS
-    # The verify forward's weights: the attention and MoE weights it touches at 4.5 bits instead of 16, the rest as
-    # they were; the draft (16-bit) and the KV unchanged.
+    # The verify forward's weights: the attention and expert weights it touches at 4.5 bits instead of 16, the rest
+    # as they were (each of the 40 MoE layers' router, 2,048 × 256, and shared-expert gate, 2,048, among them); the
+    # draft (16-bit) and the KV unchanged.
     tokens = 4
-    quantised = sum(
-        costmodel.layer_params_touched(plain, (part,), tokens)
-        for layer in plain.layers
-        for part in layer
-        if part in ("attn", "moe")
+    routing = 40 * (2048 * 256 + 2048)
+    quantised = (
+        sum(
+            costmodel.layer_params_touched(plain, (part,), tokens)
+            for layer in plain.layers
+            for part in layer
+            if part in ("attn", "moe")
+        )
+        - routing
     )
     bf16, fp4 = (costmodel.verify_bytes(s, 131072, tokens) for s in (plain, nvfp4))
     assert bf16.weights - fp4.weights == pytest.approx(quantised * (2 - 0.5625))
@@ -218,6 +223,11 @@ def test_a_checkpoint_quantised_otherwise_is_not_counted_as_16_bit(tmp_path):
     fp8 = {**config, "quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8"}}
     with pytest.raises(ValueError, match="knows NVFP4 only"):
         costmodel.model_from_hf_config(fp8)
+    # what needs the KV and state alone reads the model without its weights' format
+    assert costmodel.model_from_hf_config(fp8, weights=False).quantized_parts == ()
+    fp8_kv = {"quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8"}
+    with pytest.raises(ValueError, match="quantises the KV cache"):
+        costmodel.model_from_hf_config({**config, "quantization_config": fp8_kv})
     # compressed-tensors' NVFP4 (RedHatAI's builds), at the top of a multimodal config beside its text block
     packed = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"format": "nvfp4-pack-quantized"}}}
     multimodal = {"text_config": config, "quantization_config": packed}

@@ -132,3 +132,24 @@ def test_an_engine_with_its_own_attention_options_is_its_own_clause_row_and_seri
     growth = engine_steps.growth_check_section(steps).frame
     # one growth per engine and arm: the two engines' rows never pair up as one series
     assert len(growth) == 6 and growth.groupby(["engine", "series"]).size().eq(1).all()
+
+
+def test_two_models_at_two_depths_are_two_clauses_each_with_its_own_k_and_ceiling(tmp_path):
+    paths = []
+    for model, k, factor in (("qwen3.6-35b-a3b", 3, 1.0), ("nemotron-3-super-120b-a12b-nvfp4", 6, 2.0)):
+        rows = [
+            {"engine_version": "0.24.0", "arm": arm, "k": 0 if arm == "none" else k, "context": 1048576, "batch": 1,
+             "step_ms": ms * factor, "n": 1, "S": 16 if arm == "wmtp" else None, "W": 4096 if arm == "wmtp" else None,
+             "window_anchor": "cycle"}
+            for arm, ms in (("none", 5.0), ("mtp", 12.0), ("wmtp", 10.0))
+        ]  # fmt: skip
+        paths.append(tmp_path / f"vllm_{model}.csv")
+        pd.DataFrame(rows).to_csv(paths[-1], index=False)
+    frame = engine_steps.engine_step_section(engine_steps.load_engine_steps(paths), None).frame
+    text = " ".join(headline.headline_sentences(frame, None))
+    # the ceilings 1 + 3/10 and 1 + 6/8: each model's facts file found from its checkpoint's name
+    assert (
+        "cannot exceed 1 + k/L_full: 1.75 for nemotron-3-super-120b-a12b-nvfp4 at k 6; 1.30 for qwen3.6-35b-a3b" in text
+    )
+    assert "in vLLM 0.24.0 for nemotron-3-super-120b-a12b-nvfp4 at k 6 and batch 1, with" in text
+    assert "; in vLLM 0.24.0 for qwen3.6-35b-a3b at k 3 and batch 1, with" in text

@@ -247,4 +247,3 @@ def test_servers_of_another_attention_setting_are_rows_of_their_own_and_grow_amo
             table[["attention_config", "context", "servers", "step_ms", "growth_ms"]].values}  # fmt: skip
     assert rows[("", 131072)][:2] == (1, 10.0) and rows[(tuned, 131072)][:2] == (1, 9.0)
     assert rows[("", 1048576)][2] == pytest.approx(10.0) and rows[(tuned, 1048576)][2] == pytest.approx(6.0)
-    assert list(table.columns) == COLUMNS

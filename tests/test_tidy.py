@@ -240,6 +240,13 @@ def test_the_reports_overview_names_each_series_cell_identity(tmp_path):
             ],
             "backend=TRITON_ATTN, flash_attn_max_num_splits_for_cuda_graph=96",
         ),
+        (["-ac", '{"flash_attn_max_num_splits_for_cuda_graph": 128}'], "flash_attn_max_num_splits_for_cuda_graph=128"),
+        (
+            ["--attention-backend", "FLASHINFER", "-ac.flash_attn_version", "3"],
+            "backend=FLASHINFER, flash_attn_version=3",
+        ),
+        # another flag that merely starts like one is not an attention option
+        (["--attention-configs", "x", "-acx", "y"], ""),
     ],
 )
 def test_the_attention_options_a_server_ran_with_read_from_its_argv(argv, expected):

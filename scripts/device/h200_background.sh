@@ -23,6 +23,9 @@
 #       waits until the runs are over or WAIT_S seconds have passed, then copies their state into $OUT
 # Exit status of follow: 0 once the runs have ended, 3 while they still run.
 #
+# The runs keep their state (pid, progress log, Snakemake's output) in /tmp/wmtp-background, or in the folder
+# $WMTP_BACKGROUND_STATE names, which start empties first: name one that holds nothing else.
+#
 # Compile caches: .gpu-inputs/compile-cache.tar.gz, when carried in, is unpacked into the engine's cache
 # (results/engines/vllm/cache, or $ENGINE_CACHE) before the first server starts: Triton's kernels, the largest part of
 # a cold start's minutes. follow packs Triton's part back when it fits what comes back.
@@ -69,6 +72,10 @@ start() {
   local last_start=$1 study=$2
   shift 2
   [ -f "$state/pid" ] && kill -0 "$(cat "$state/pid")" 2>/dev/null && die "runs already under way (pid $(cat "$state/pid"))"
+  # Only a folder of earlier runs is emptied: one holding anything else is someone's.
+  if [ -d "$state" ] && [ -n "$(ls -A "$state")" ] && [ ! -f "$state/progress.log" ]; then
+    die "$state holds files of no earlier runs; name another folder in WMTP_BACKGROUND_STATE"
+  fi
   rm -rf "$state"
   mkdir -p "$state"
   workflow_env
@@ -183,5 +190,5 @@ case ${1:-} in
   plan) shift; [ $# -ge 1 ] || die "usage: plan STUDY [\"PIECES ARGS\" ...]"; plan "$@" ;;
   follow) [ $# -eq 2 ] || die "usage: follow WAIT_S"; follow "$2" ;;
   _run) shift; run_pieces "$@" ;;
-  *) sed -n '2,28p' "$0"; exit 2 ;;
+  *) sed -n '2,31p' "$0"; exit 2 ;;
 esac

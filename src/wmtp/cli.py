@@ -211,7 +211,7 @@ def predicted_reclaim(config_file: Path, measured: dict, name: str) -> dict[str,
     """The cost model's bytes per request of the proof's length under wmtp and the ring, and the share reclaimed."""
     from wmtp.analyze import costmodel
 
-    spec = costmodel.model_from_hf_config(json.loads(config_file.read_text()), name)
+    spec = costmodel.model_from_hf_config(json.loads(config_file.read_text()), name, weights=False)
     context, sink, window = measured["max_model_len"], measured["sink"], measured["window"]
     plain = costmodel.kv_memory(spec, context, sink=sink, window=window, ring=False).total
     ring = costmodel.kv_memory(spec, context, sink=sink, window=window, ring=True).total

@@ -50,8 +50,9 @@ DTYPE_BYTES: dict[str, int] = {
 #: NVFP4's bytes a weight: four bits, and one FP8 (E4M3) scale per 16 weights (the per-tensor FP32 scale is
 #: negligible).
 NVFP4_BYTES = 0.5 + 1 / 16
-#: What ModelOpt's NVFP4 recipe quantises in these hybrids: the attention projections and the MoE (routed and shared
-#: experts); the recurrent layers, the router, the embedding, the lm_head and the MTP head stay 16-bit.
+#: What ModelOpt's NVFP4 recipe quantises in these hybrids: the attention projections and the MoE's experts (routed
+#: and shared; its routing, moe_routing_params, stays 16-bit); the recurrent layers, the embedding, the lm_head and
+#: the MTP head stay 16-bit.
 NVFP4_PARTS = ("attn", "moe")
 
 
@@ -67,9 +68,14 @@ def with_quantization(spec: ModelSpec, scheme: str | None) -> ModelSpec:
 def hf_quantization(quant: Mapping[str, Any]) -> str | None:
     """The scheme of a checkpoint's ``quantization_config`` that the cost model counts: "nvfp4" for ModelOpt's
     NVFP4 (``quant_algo``) and compressed-tensors' (a ``nvfp4-pack-quantized`` format), None where there is none.
-    Another scheme is refused rather than counted as 16-bit weights."""
+    Another scheme, or a quantised KV cache, is refused rather than counted as 16-bit. The checkpoint's own list of
+    unquantised modules is not read: NVFP4 is counted as ModelOpt's recipe (NVFP4_PARTS)."""
     if not quant:
         return None
+    kv = quant.get("kv_cache_quant_algo") or (quant.get("quantization") or {}).get("kv_cache_quant_algo")
+    if kv or quant.get("kv_cache_scheme"):
+        raise ValueError(f"quantization_config quantises the KV cache ({kv or quant.get('kv_cache_scheme')!r}): the "
+                         "cost model counts a 16-bit KV cache only")  # fmt: skip
     method = quant.get("quant_method")
     algo = str(quant.get("quant_algo") or (quant.get("quantization") or {}).get("quant_algo") or "").upper()
     formats = {str(group.get("format", "")) for group in (quant.get("config_groups") or {}).values()}
@@ -246,12 +252,14 @@ def model_from_dict(d: Mapping[str, Any]) -> ModelSpec:
     return spec
 
 
-def model_from_hf_config(checkpoint: Mapping[str, Any], name: str = "") -> ModelSpec:
-    """A Qwen3-Next-shaped Hugging Face ``config.json`` (``layer_types``, linear-attention and MoE keys; a
-    multimodal one's ``text_config``) as a :class:`ModelSpec`, its weights quantised as its
-    ``quantization_config`` says, so checkpoints such as the embedded study's tiny model get the same predictions."""
+def model_from_hf_config(checkpoint: Mapping[str, Any], name: str = "", *, weights: bool = True) -> ModelSpec:
+    """A Qwen3-Next-shaped (``layer_types``, linear-attention and MoE keys) or Nemotron-H Hugging Face
+    ``config.json`` (a multimodal one's ``text_config``) as a :class:`ModelSpec`, so checkpoints such as the
+    embedded study's tiny model get the same predictions. With ``weights`` its ``quantization_config`` is read
+    (:func:`hf_quantization`); without, for what needs the model's KV and state alone, it is not."""
     config = checkpoint.get("text_config", checkpoint)
-    scheme = hf_quantization(checkpoint.get("quantization_config") or config.get("quantization_config") or {})
+    quant = checkpoint.get("quantization_config") or config.get("quantization_config") or {}
+    scheme = hf_quantization(quant) if weights else None
     if config.get("model_type") == "nemotron_h":
         return with_quantization(_nemotron_from_hf_config(config, name), scheme)
     kinds = {"linear_attention": "L", "full_attention": "A"}
@@ -392,16 +400,22 @@ def expert_params(spec: ModelSpec) -> int:
     return m.matrices_per_expert * width * m.expert_intermediate_size
 
 
-def moe_dense_params(spec: ModelSpec) -> int:
-    """The parts of a MoE layer every token touches: router, latent projections, shared experts."""
+def moe_routing_params(spec: ModelSpec) -> int:
+    """The parts of a MoE layer that route rather than compute: the router, the latent projections around the
+    routed experts and the shared expert's gate (a quantised checkpoint keeps them 16-bit)."""
     m, h = spec.moe, spec.hidden_size
     n = h * m.num_experts  # router
     if m.latent_size:
         n += 2 * h * m.latent_size
-    n += m.shared_experts * m.matrices_per_expert * h * m.shared_intermediate_size
     if m.shared_expert_gate:
         n += h
     return n
+
+
+def moe_dense_params(spec: ModelSpec) -> int:
+    """The parts of a MoE layer every token touches: router, latent projections, shared experts."""
+    m, h = spec.moe, spec.hidden_size
+    return moe_routing_params(spec) + m.shared_experts * m.matrices_per_expert * h * m.shared_intermediate_size
 
 
 def moe_params_touched(spec: ModelSpec, tokens: int) -> float:
@@ -428,8 +442,12 @@ def layer_weight_bytes(spec: ModelSpec, parts: tuple[str, ...], tokens: int, *, 
     weight (a quantised part of the target at ``quantized_bytes``; the draft's at ``weight_bytes``)."""
     total = 0.0
     for part in parts:
-        per_weight = spec.quantized_bytes if part in spec.quantized_parts and not draft else spec.weight_bytes
-        total += layer_params_touched(spec, (part,), tokens) * per_weight
+        params = layer_params_touched(spec, (part,), tokens)
+        if part in spec.quantized_parts and not draft:
+            kept = moe_routing_params(spec) if part == "moe" else 0
+            total += (params - kept) * spec.quantized_bytes + kept * spec.weight_bytes
+        else:
+            total += params * spec.weight_bytes
     return total
 
 

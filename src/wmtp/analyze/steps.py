@@ -337,7 +337,7 @@ def step_table(
     Requests the screening excluded are left out; ``n`` counts the rest, ``servers`` the servers they came from.
     A rung's tokens per cycle are its counters' (``rungs.tok_per_verify``; 1 for the arm without a draft). The
     cycle is timed by the clock ``clock`` names (``engine`` where the cells recorded the engine's own), the
-    client's beside it. Sorted by arm, k, S, W, window anchor, context, batch.
+    client's beside it. Sorted by attention options, arm, k, S, W, window anchor, context, batch.
     """
     kept = requests[(requests["workload"] == workload) & ~requests["excluded"].astype(bool)]
     parts = _server_rows(kept, rungs, engine_version)

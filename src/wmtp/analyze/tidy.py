@@ -64,7 +64,7 @@ def predicted_ring_reclaim(manifest: dict) -> float:
     if cell["arm"] not in analysis.WINDOWED_ARMS or not config or not length:
         return math.nan
     try:
-        spec = costmodel.model_from_hf_config(config)
+        spec = costmodel.model_from_hf_config(config, weights=False)
     except (KeyError, TypeError, ValueError):
         return math.nan
     plain = costmodel.kv_memory(spec, int(length), sink=cell["sink"], window=cell["window"], ring=False).total
@@ -121,28 +121,35 @@ def apply_engine_clock(frame: pd.DataFrame) -> None:
     frame["clock_disagreement"] = frame["client_decode_s"] / engine_decode - 1.0
 
 
-ATTENTION_FLAG = "--attention-config"
+# vLLM's attention options: the whole object (long or short flag, or one key at a time after a dot), and the one
+# option with a flag of its own.
+ATTENTION_FLAGS = ("--attention-config", "-ac")
+ATTENTION_BACKEND_FLAG = "--attention-backend"
 
 
 def attention_config(argv: list[str]) -> str:
     """The attention options the server's argv gave the engine, as 'key=value' pairs in key order ('' where it ran
-    with its defaults): vLLM's ``--attention-config`` as one JSON object (``--attention-config '{...}'`` or
-    ``--attention-config={...}``) or one key at a time (``--attention-config.key value``). Two servers that differ
-    here ran two engines, whatever else they share."""
+    with its defaults): vLLM's ``--attention-config`` (or ``-ac``) as one JSON object (``'{...}'`` as the next word
+    or after ``=``) or one key at a time (``--attention-config.key value``), and ``--attention-backend``, which sets
+    the ``backend`` key. Two servers that differ here ran two engines, whatever else they share."""
     options: dict[str, object] = {}
     words = iter(argv)
     for word in words:
         flag, equals, value = word.partition("=")
-        if flag == ATTENTION_FLAG or flag.startswith(ATTENTION_FLAG + "."):
-            if not equals:
-                value = next(words, "")
-            if flag == ATTENTION_FLAG:
-                parsed = json.loads(value)
-                if not isinstance(parsed, dict):
-                    raise ValueError(f"{ATTENTION_FLAG} {value!r} is not a JSON object")
-                options.update(parsed)
-            else:
-                options[flag.removeprefix(ATTENTION_FLAG + ".")] = value
+        base, dot, key = flag.partition(".")
+        if base not in ATTENTION_FLAGS and flag != ATTENTION_BACKEND_FLAG:
+            continue
+        if not equals:
+            value = next(words, "")
+        if flag == ATTENTION_BACKEND_FLAG:
+            options["backend"] = value
+        elif dot:
+            options[key] = value
+        else:
+            parsed = json.loads(value)
+            if not isinstance(parsed, dict):
+                raise ValueError(f"{flag} {value!r} is not a JSON object")
+            options.update(parsed)
     return ", ".join(f"{key}={_option_text(options[key])}" for key in sorted(options))
 
 

@@ -35,7 +35,6 @@ from wmtp.model.tiny import TinyShape, write_tokenizer_config
 
 log = logging.getLogger(__name__)
 
-FAMILIES = ("gdn_moe", "mamba2_moe")
 # Nemotron-H's letter for each layer the facts file's legend makes (hybrid_override_pattern): Mamba-2, attention,
 # MoE.
 NEMOTRON_LETTERS = {("mamba2",): "M", ("attn",): "*", ("moe",): "E"}

@@ -91,7 +91,8 @@ def ceiling_ratio(model: str, k: int) -> float:
     """1 + k/L_full for that model: the most windowing the draft can save per cycle when only KV reads count."""
     from wmtp.analyze.costmodel import limit_ratio
 
-    path = model_file(canonical_model(model))
+    # A study's checkpoint name ("…-nvfp4") finds its facts file; the replica's vendor spelling finds it by its name.
+    path = model_file(str(model).lower()) or model_file(canonical_model(model))
     return limit_ratio(path, k) if path else math.nan
 
 
@@ -147,7 +148,8 @@ def _same_gpu_text(interval: pd.Series) -> str:
 
 
 def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None) -> Section:
-    """One row per (model, engine version, context, k, batch) where the engine measured mtp and wmtp at that k.
+    """One row per (model, engine version and attention options, context, k, batch, window anchor) where the
+    engine measured mtp and wmtp at that k.
 
     The ratio mtp / wmtp is of the medians of each arm's servers, with its range over every pairing of one server
     of each, and over the pairings whose two servers ran on one GPU; each arm's cycle is also shown as a multiple
@@ -206,6 +208,7 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
                     "same_gpu": float(interval["same_gpu"]),
                     "same_gpu_lo": float(interval["same_gpu_lo"]),
                     "same_gpu_hi": float(interval["same_gpu_hi"]),
+                    "same_gpu_pairs": int(interval["same_gpu_pairs"]),
                     **window_off,
                     "replica": round(replica_ratio, 3),
                     "cost model": round(model_ratio, 3),
@@ -232,6 +235,7 @@ NUMERIC_COLUMNS = [
     "same_gpu",
     "same_gpu_lo",
     "same_gpu_hi",
+    "same_gpu_pairs",
     "window off / wmtp",
     "off_lo",
     "off_hi",

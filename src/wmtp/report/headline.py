@@ -13,6 +13,8 @@ from wmtp.report.engine_steps import ceiling_ratio
 from wmtp.report.labels import fmt_interval
 
 MAX_SENTENCES = 6
+# What one clause of the answer is about: an engine (release and attention options), a model, a depth and a batch.
+_GROUP = ["engine", "model", "k", "batch"]
 # Where the plugin set the windowed draft's window (the step file's window_anchor), as a sentence says it.
 _PLUGINS = {"cycle": "once a decode cycle", "forward": "for each draft forward"}
 
@@ -47,22 +49,31 @@ def paper_marks(engine: pd.DataFrame | None, claim: dict[str, float] | None) -> 
     )
 
 
+def _number(value: Any) -> float:
+    """A cell as a float, NaN where it is missing or not a number."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def _measured(row: pd.Series) -> str:
     """'1M: 1.141 [1.137, 1.143]'. Where the servers ran on several GPUs (which have differed by more than the
     arms), the ratio over the pairings of servers on one GPU leads and the range over every pairing follows; a
     range that passes the ceiling says so, since windowing cannot save more than that."""
     pooled = fmt_interval(row["engine mtp / wmtp"], row["ratio_lo"], row["ratio_hi"], null=1.0)
-    gpus = int(row.get("gpus", 0) or 0)
-    if gpus > 1 and math.isfinite(row.get("same_gpu", math.nan)):
+    gpus = _number(row.get("gpus"))
+    gpus = int(gpus) if math.isfinite(gpus) else 0
+    if gpus > 1 and math.isfinite(_number(row.get("same_gpu"))):
         on_one = fmt_interval(row["same_gpu"], row["same_gpu_lo"], row["same_gpu_hi"], null=1.0)
-        single = " (one pairing)" if row["same_gpu_lo"] == row["same_gpu_hi"] else ""
+        single = " (one pairing)" if _number(row.get("same_gpu_pairs")) == 1 else ""
         text = f"{row['context']}: {on_one} between servers on one GPU{single}, {pooled} over {gpus} GPUs"
     elif gpus > 1:
         text = f"{row['context']}: {pooled} over {gpus} GPUs, no two of its servers on one GPU"
     else:
         text = f"{row['context']}: {pooled}"
-    ceiling = float(row.get("ceiling 1 + k/L_full", math.nan))
-    if math.isfinite(ceiling) and row["ratio_hi"] > ceiling:
+    ceiling = _number(row.get("ceiling 1 + k/L_full"))
+    if math.isfinite(ceiling) and _number(row.get("ratio_hi")) > ceiling:
         text += f" (its range passes the ceiling {ceiling:.2f}: servers, not the window)"
     return text
 
@@ -75,11 +86,12 @@ def _control_sentence(engine: pd.DataFrame) -> str:
     rows = engine[engine["window off / wmtp"].map(lambda v: math.isfinite(float(v)))].sort_values("tokens")
     if rows.empty:
         return ""
-    # Where several engines ran the control, each context names its engine.
-    named = rows["engine"].nunique() > 1
+    # Where several engines, models or depths ran the control, each context names which.
+    keys = [key for key in _GROUP if key in rows.columns and rows[key].nunique() > 1]
 
     def where(row: pd.Series) -> str:
-        return f"{row['context']} ({row['engine']})" if named else str(row["context"])
+        named = ", ".join(f"k {row[key]}" if key == "k" else str(row[key]) for key in keys)
+        return f"{row['context']} ({named})" if named else str(row["context"])
 
     saved = "; ".join(
         f"{where(r)}: {fmt_interval(r['window off / wmtp'], r['off_lo'], r['off_hi'], null=1.0)}"
@@ -102,23 +114,27 @@ def headline_sentences(engine: pd.DataFrame | None, claim: dict[str, float] | No
     out: list[str] = []
     if engine is not None and not engine.empty:
         first = engine.iloc[0]
-        k = int(first["k"])
+        ceilings = "; ".join(
+            f"{_ratio(r['ceiling 1 + k/L_full'])} for {r['model']} at k {int(r['k'])}"
+            for _, r in engine.drop_duplicates(["model", "k"]).iterrows()
+        )
         out.append(
             "Windowing removes only the draft's KV reads, so the cost-side ratio (native MTP's cycle over the "
-            f"windowed draft's) cannot exceed 1 + k/L_full: {_ratio(first['ceiling 1 + k/L_full'])} for "
-            f"{first['model']} at k {k}."
+            f"windowed draft's) cannot exceed 1 + k/L_full: {ceilings}."
         )
+        several_models = engine["model"].nunique() > 1
         engines = []
-        for label, by_engine in engine.groupby("engine", sort=False):
+        for (label, model, k, batch), by_shape in engine.groupby(_GROUP, sort=False):
             anchor = "wmtp window set per"
-            plugins = by_engine.groupby(anchor, sort=False) if anchor in by_engine.columns else [(None, by_engine)]
+            plugins = by_shape.groupby(anchor, sort=False) if anchor in by_shape.columns else [(None, by_shape)]
             clauses = []
             for plugin, rows in sorted(plugins, key=lambda item: str(item[0]) != "cycle"):
                 measured = "; ".join(_measured(r) for _, r in rows.sort_values("tokens").iterrows())
                 clauses.append(
                     f"with the draft's window set {_PLUGINS.get(plugin, plugin)}, {measured}" if plugin else measured
                 )
-            engines.append(f"{label} at k {k} and batch {int(first['batch'])}, " + "; and ".join(clauses))
+            shape = f"{label}{f' for {model}' if several_models else ''} at k {int(k)} and batch {int(batch)}, "
+            engines.append(shape + "; and ".join(clauses))
         out.append(
             "Native MTP's cycle over the windowed draft's, timed by the engine's own clock, in "
             + "; in ".join(engines)

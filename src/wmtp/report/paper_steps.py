@@ -43,14 +43,20 @@ def _floor(spec: costmodel.ModelSpec, context: int, k: int, arm: str, bandwidth:
 
 
 def _engine_step(steps: pd.DataFrame | None, model: str, k: int, context: int, arm: str) -> float:
-    """The real engine's cycle at that model, k and context (the windowed arm at the paper's S and W), or NaN."""
+    """The real engine's cycle at that model, k and context, batch 1, as vLLM runs by default (no attention options
+    of the study's own), the windowed arm at the paper's S and W with the window set once a cycle; NaN where that
+    was not measured."""
     if steps is None or steps.empty:
         return math.nan
     names = steps["model"].map(canonical_model)
     rows = steps[(names == canonical_model(model)) & (steps["arm"] == arm) & (steps["k"] == k)]
-    rows = rows[rows["context"] == context]
+    rows = rows[(rows["context"] == context) & (rows.get("batch", 1) == 1)]
+    if "attention_config" in rows.columns:
+        rows = rows[[not isinstance(v, str) or not v for v in rows["attention_config"]]]
     if arm == "wmtp" and {"S", "W"} <= set(rows.columns):
         rows = rows[(rows["S"] == PAPER_SINK) & (rows["W"] == PAPER_WINDOW)]
+        if "window_anchor" in rows.columns:
+            rows = rows[rows["window_anchor"].fillna("forward") == "cycle"]
     return float(rows["step_ms"].iloc[0]) if len(rows) else math.nan
 
 

@@ -64,7 +64,7 @@ def test_the_window_off_control_is_set_against_both_drafting_arms(tmp_path):
     rows = [
         {"engine_version": "0.24.0", "arm": arm, "k": 0 if arm == "none" else 3, "context": 131072, "batch": 1,
          "step_ms": ms, "n": 3, "S": 16 if arm == "wmtp" else None, "W": window, "window_anchor": "cycle",
-         "server_step_ms": servers, "server_gpus": gpus}
+         "server_step_ms": servers, "server_gpus": gpus, "servers": len(servers.split(";"))}
         for arm, ms, window, servers, gpus in (
             ("none", 5.0, None, "5.0", "a"),
             ("mtp", 10.0, None, "10.0;12.0", "a;b"),
@@ -83,6 +83,10 @@ def test_the_window_off_control_is_set_against_both_drafting_arms(tmp_path):
     assert row["mtp / window off, servers on one GPU"].startswith("1.05 (one pairing), 1 pairing of 1/1")
     text = " ".join(headline.headline_sentences(frame, None))
     assert "the window alone saves (the control's cycle over the windowed one) is 131K: 1.056;" in text
+    assert "(loaded, its window covering the context; 1 server of it)" in text
+    # mtp's servers ran on two GPUs: the answer and its figure lead with the one pairing on GPU "a"
+    assert (row["lead"], row["lead_pairs"], row["lead_on_one_gpu"]) == (pytest.approx(10.0 / 9.0), 1, 1)
+    assert (row["lead_hi"], row["ratio_hi"]) == (pytest.approx(10.0 / 9.0), pytest.approx(12.0 / 9.0))
     assert "native MTP over that control reads 131K: 1.05 [1.05, 1.26]." in text
     # without a control the sentence is not there
     pd.DataFrame(rows[:3]).to_csv(path, index=False)

@@ -120,7 +120,8 @@ def _windowed(
     return (acting.iloc[0] if len(acting) else None), (control.iloc[0] if len(control) else None)
 
 
-def _value(row: pd.Series | None, column: str) -> float:
+def cell_number(row: pd.Series | None, column: str) -> float:
+    """A row's cell as a float: NaN where the row, the column or a number is missing."""
     if row is None or column not in row.index:
         return math.nan
     value = pd.to_numeric(pd.Series([row[column]]), errors="coerce").iloc[0]
@@ -166,7 +167,7 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
     for (model, version, attention, context, batch), group in steps.groupby(keys, sort=True):
         none = group[group["arm"] == "none"]
         none_row = none.iloc[0] if len(none) else None
-        none_ms = _value(none_row, "step_ms")
+        none_ms = cell_number(none_row, "step_ms")
         ks = sorted(set(group.loc[group["arm"] == "mtp", "k"]) & set(group.loc[group["arm"] == "wmtp", "k"]))
         for k, anchor in ((each, anchor) for each in ks for anchor in _anchors(group, int(each))):
             mtp = group[(group["arm"] == "mtp") & (group["k"] == k)].iloc[0]
@@ -177,7 +178,7 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
             interval = server_ratio(pair, "mtp", "wmtp").iloc[0]
             window_off = _control_ratios(control, mtp, wmtp)
             replica_ratio, model_ratio = _replica_ratio(replica, model, int(context), int(k), int(batch))
-            servers = [_value(r, "servers") for r in (none_row, mtp, wmtp)]
+            servers = [cell_number(r, "servers") for r in (none_row, mtp, wmtp)]
             clocks = {str(r["clock"]) for r in (none_row, mtp, wmtp) if r is not None and "clock" in r.index}
             rows.append(
                 {
@@ -192,10 +193,10 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
                     "none (ms)": round(none_ms, 2),
                     "mtp (ms)": round(float(mtp["step_ms"]), 2),
                     "wmtp (ms)": round(float(wmtp["step_ms"]), 2),
-                    "wmtp, window off (ms)": round(_value(control, "step_ms"), 2),
+                    "wmtp, window off (ms)": round(cell_number(control, "step_ms"), 2),
                     "servers none/mtp/wmtp": "/".join("–" if math.isnan(v) else str(int(v)) for v in servers),
                     "n none/mtp/wmtp": "/".join(
-                        str(int(_value(r, "n") or 0)) if r is not None else "0" for r in (none_row, mtp, wmtp)
+                        str(int(cell_number(r, "n") or 0)) if r is not None else "0" for r in (none_row, mtp, wmtp)
                     ),
                     "engine mtp / wmtp": float(interval["ratio"]),
                     "ratio_lo": float(interval["ratio_lo"]),
@@ -209,18 +210,19 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
                     "same_gpu_lo": float(interval["same_gpu_lo"]),
                     "same_gpu_hi": float(interval["same_gpu_hi"]),
                     "same_gpu_pairs": int(interval["same_gpu_pairs"]),
+                    **_leading_ratio(interval),
                     **window_off,
                     "replica": round(replica_ratio, 3),
                     "cost model": round(model_ratio, 3),
                     "ceiling 1 + k/L_full": round(ceiling_ratio(model, int(k)), 3),
                     "× floor none/mtp/wmtp": "/".join(
-                        "–" if math.isnan(_value(r, "over_floor")) else f"{_value(r, 'over_floor'):.1f}"
+                        "–" if math.isnan(cell_number(r, "over_floor")) else f"{cell_number(r, 'over_floor'):.1f}"
                         for r in (none_row, mtp, wmtp)
                     ),
                     "break-even tokens/cycle, mtp": round(break_even_tokens(float(mtp["step_ms"]), none_ms), 2),
                     "break-even tokens/cycle, wmtp": round(break_even_tokens(float(wmtp["step_ms"]), none_ms), 2),
                     # The plugin's count over the wmtp cell's whole server, all of its rungs.
-                    "windowed draft forwards (server)": _value(wmtp, "windowed_forwards"),
+                    "windowed draft forwards (server)": cell_number(wmtp, "windowed_forwards"),
                 }
             )
     return Section(pd.DataFrame(rows))
@@ -236,6 +238,12 @@ NUMERIC_COLUMNS = [
     "same_gpu_lo",
     "same_gpu_hi",
     "same_gpu_pairs",
+    "lead",
+    "lead_lo",
+    "lead_hi",
+    "lead_pairs",
+    "lead_on_one_gpu",
+    "control servers",
     "window off / wmtp",
     "off_lo",
     "off_hi",
@@ -249,46 +257,58 @@ NUMERIC_COLUMNS = [
 _OFF = "off"
 
 
+# A ratio of no pairing at all: where a shape has no window-off control.
+_NO_RATIO = pd.Series(
+    {"ratio": math.nan, "ratio_lo": math.nan, "ratio_hi": math.nan, "same_gpu": math.nan, "same_gpu_pairs": 0}
+)
+
+
 def _control_ratios(control: pd.Series | None, mtp: pd.Series, wmtp: pd.Series) -> dict[str, object]:
     """The window-off control against the windowed row (what the window alone saves, free of native MTP's spread
     between servers) and native MTP against the control (what loading the plugin costs or saves by itself), each
     with its range over pairings of servers and over the pairings on one GPU; NaN and '' without a control."""
     from wmtp.analyze.steps import server_ratio
 
-    if control is None:
-        return {
-            "window off / wmtp": math.nan,
-            "off_lo": math.nan,
-            "off_hi": math.nan,
-            "off_same_gpu": math.nan,
-            "window off / wmtp [range over servers]": "",
-            "window off / wmtp, servers on one GPU": "",
-            "mtp / window off [range over servers]": "",
-            "mtp_off_lo": math.nan,
-            "mtp_off_hi": math.nan,
-            "mtp / window off": math.nan,
-            "mtp / window off, servers on one GPU": "",
-        }
-    off = control.copy()
-    off["arm"] = _OFF
-    saved = server_ratio(pd.DataFrame([off, wmtp]), _OFF, "wmtp").iloc[0]
-    cost = server_ratio(pd.DataFrame([mtp, off]), "mtp", _OFF).iloc[0]
+    saved = cost = _NO_RATIO
+    if control is not None:
+        off = control.copy()
+        off["arm"] = _OFF
+        saved = server_ratio(pd.DataFrame([off, wmtp]), _OFF, "wmtp").iloc[0]
+        cost = server_ratio(pd.DataFrame([mtp, off]), "mtp", _OFF).iloc[0]
+    ratio = {
+        name: [float(r[key]) for key in ("ratio", "ratio_lo", "ratio_hi")]
+        for name, r in (("saved", saved), ("cost", cost))
+    }
     return {
-        "window off / wmtp": float(saved["ratio"]),
-        "off_lo": float(saved["ratio_lo"]),
-        "off_hi": float(saved["ratio_hi"]),
+        "control servers": cell_number(control, "servers"),
+        "window off / wmtp": ratio["saved"][0],
+        "off_lo": ratio["saved"][1],
+        "off_hi": ratio["saved"][2],
         "off_same_gpu": float(saved["same_gpu"]),
-        "window off / wmtp [range over servers]": fmt_interval(
-            float(saved["ratio"]), float(saved["ratio_lo"]), float(saved["ratio_hi"]), null=1.0
-        ),
-        "window off / wmtp, servers on one GPU": _same_gpu_text(saved),
-        "mtp / window off [range over servers]": fmt_interval(
-            float(cost["ratio"]), float(cost["ratio_lo"]), float(cost["ratio_hi"]), null=1.0
-        ),
-        "mtp_off_lo": float(cost["ratio_lo"]),
-        "mtp_off_hi": float(cost["ratio_hi"]),
-        "mtp / window off": float(cost["ratio"]),
-        "mtp / window off, servers on one GPU": _same_gpu_text(cost),
+        "window off / wmtp [range over servers]": fmt_interval(*ratio["saved"], null=1.0),
+        "window off / wmtp, servers on one GPU": _same_gpu_text(saved) if control is not None else "",
+        "mtp / window off": ratio["cost"][0],
+        "mtp_off_lo": ratio["cost"][1],
+        "mtp_off_hi": ratio["cost"][2],
+        "mtp / window off [range over servers]": fmt_interval(*ratio["cost"], null=1.0),
+        "mtp / window off, servers on one GPU": _same_gpu_text(cost) if control is not None else "",
+    }
+
+
+def _leading_ratio(interval: pd.Series) -> dict[str, float]:
+    """The ratio the answer and its figure lead with: where the two arms' servers ran on several GPUs and some
+    pairs of them on one, the ratio over those pairings (GPUs have differed by more than the arms), else over every
+    pairing; ``lead_pairs`` how many pairings it rests on, ``lead_on_one_gpu`` 1 where it is the one-GPU ratio."""
+    on_one = int(interval["gpus"]) > 1 and int(interval["same_gpu_pairs"]) > 0
+    key = "same_gpu" if on_one else "ratio"
+    each = [int(n) for n in str(interval["servers"]).split("/")]
+    pairs = int(interval["same_gpu_pairs"]) if on_one else each[0] * each[1]
+    return {
+        "lead": float(interval[key]),
+        "lead_lo": float(interval[f"{key}_lo"]),
+        "lead_hi": float(interval[f"{key}_hi"]),
+        "lead_pairs": pairs,
+        "lead_on_one_gpu": int(on_one),
     }
 
 
@@ -315,7 +335,7 @@ def windows_sentence(steps: pd.DataFrame | None, replica: pd.DataFrame | None) -
     if steps is not None and not steps.empty and {"S", "W"} <= set(steps.columns):
         rows = steps[(steps["arm"] == "wmtp") & (_numeric(steps, "S") + _numeric(steps, "W") < steps["context"])]
         engine = [
-            _engine_window(float(s), float(w), _value(r, "read_sink_tokens"))
+            _engine_window(float(s), float(w), cell_number(r, "read_sink_tokens"))
             for (s, w), r in rows.groupby(["S", "W"], sort=True).first().iterrows()
         ]
         if engine:
@@ -434,10 +454,10 @@ def growth_check_section(steps: pd.DataFrame | None) -> Section:
     ).groupby(["model", "engine", "batch", "series"], sort=False):
         ordered = group.sort_values("context")
         for (_, shorter), (_, longer) in zip(ordered.iterrows(), ordered.iloc[1:].iterrows(), strict=False):
-            growth, floor = _value(longer, "growth_ms"), _value(longer, "growth_floor_ms")
+            growth, floor = cell_number(longer, "growth_ms"), cell_number(longer, "growth_floor_ms")
             if math.isnan(growth):
                 continue
-            servers = int(_value(longer, "growth_servers")) if has_servers else None
+            servers = int(cell_number(longer, "growth_servers")) if has_servers else None
             where = (
                 "not recorded"
                 if servers is None

@@ -9,7 +9,7 @@ import pandas as pd
 
 from wmtp.config import PAPER_DRAFT_TOKENS, PAPER_SINK, PAPER_WINDOW
 from wmtp.report.compare import PAPER_DRAFT_FORWARDS
-from wmtp.report.engine_steps import ceiling_ratio
+from wmtp.report.engine_steps import ceiling_ratio, cell_number
 from wmtp.report.labels import fmt_interval
 
 MAX_SENTENCES = 6
@@ -49,31 +49,23 @@ def paper_marks(engine: pd.DataFrame | None, claim: dict[str, float] | None) -> 
     )
 
 
-def _number(value: Any) -> float:
-    """A cell as a float, NaN where it is missing or not a number."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def _measured(row: pd.Series) -> str:
     """'1M: 1.141 [1.137, 1.143]'. Where the servers ran on several GPUs (which have differed by more than the
-    arms), the ratio over the pairings of servers on one GPU leads and the range over every pairing follows; a
-    range that passes the ceiling says so, since windowing cannot save more than that."""
+    arms), the ratio over the pairings of servers on one GPU leads (the section's ``lead``) and the range over every
+    pairing follows; a range that passes the ceiling says so, since windowing cannot save more than that."""
     pooled = fmt_interval(row["engine mtp / wmtp"], row["ratio_lo"], row["ratio_hi"], null=1.0)
-    gpus = _number(row.get("gpus"))
-    gpus = int(gpus) if math.isfinite(gpus) else 0
-    if gpus > 1 and math.isfinite(_number(row.get("same_gpu"))):
-        on_one = fmt_interval(row["same_gpu"], row["same_gpu_lo"], row["same_gpu_hi"], null=1.0)
-        single = " (one pairing)" if _number(row.get("same_gpu_pairs")) == 1 else ""
-        text = f"{row['context']}: {on_one} between servers on one GPU{single}, {pooled} over {gpus} GPUs"
+    gpus = cell_number(row, "gpus")
+    text = f"{row['context']}: "
+    if cell_number(row, "lead_on_one_gpu") == 1:
+        single = " (one pairing)" if cell_number(row, "lead_pairs") == 1 else ""
+        lead = fmt_interval(row["lead"], row["lead_lo"], row["lead_hi"], null=1.0)
+        text += f"{lead} between servers on one GPU{single}, {pooled} over {int(gpus)} GPUs"
     elif gpus > 1:
-        text = f"{row['context']}: {pooled} over {gpus} GPUs, no two of its servers on one GPU"
+        text += f"{pooled} over {int(gpus)} GPUs, no two of its servers on one GPU"
     else:
-        text = f"{row['context']}: {pooled}"
-    ceiling = _number(row.get("ceiling 1 + k/L_full"))
-    if math.isfinite(ceiling) and _number(row.get("ratio_hi")) > ceiling:
+        text += pooled
+    ceiling = cell_number(row, "ceiling 1 + k/L_full")
+    if math.isfinite(ceiling) and cell_number(row, "ratio_hi") > ceiling:
         text += f" (its range passes the ceiling {ceiling:.2f}: servers, not the window)"
     return text
 
@@ -101,9 +93,12 @@ def _control_sentence(engine: pd.DataFrame) -> str:
         f"{where(r)}: {fmt_interval(r['mtp / window off'], r['mtp_off_lo'], r['mtp_off_hi'], null=1.0)}"
         for _, r in rows.iterrows()
     )
+    servers = rows["control servers"].dropna() if "control servers" in rows.columns else pd.Series(dtype=float)
+    counted = f"; {int(servers.max())} server{'s' if servers.max() > 1 else ''} of it" if len(servers) else ""
     return (
-        "Against the plugin's window-off control (loaded, its window covering the context), what the window alone "
-        f"saves (the control's cycle over the windowed one) is {saved}; native MTP over that control reads {cost}."
+        f"Against the plugin's window-off control (loaded, its window covering the context{counted}), what the "
+        f"window alone saves (the control's cycle over the windowed one) is {saved}; native MTP over that control "
+        f"reads {cost}."
     )
 
 

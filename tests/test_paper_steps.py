@@ -43,9 +43,9 @@ def test_an_h200_step_at_the_papers_shape_sits_beside_the_papers():
             {"model": "qwen3.6-35b-a3b-nvfp4", "arm": "mtp", "k": 6, "context": CONTEXT, "S": None, "W": None,
              "step_ms": 3.0, "attention_config": "flash_attn_max_num_splits_for_cuda_graph=128"},
             {"model": "qwen3.6-35b-a3b-nvfp4", "arm": "mtp", "k": 6, "context": CONTEXT, "S": None, "W": None,
-             "step_ms": 30.0, "window_anchor": None},
+             "step_ms": 30.0, "window_anchor": None, "servers": 3, "over_floor": 1.7, "clock": "engine"},
             {"model": "qwen3.6-35b-a3b-nvfp4", "arm": "wmtp", "k": 6, "context": CONTEXT, "S": 64, "W": 4032,
-             "step_ms": 24.0, "window_anchor": "cycle"},
+             "step_ms": 24.0, "window_anchor": "cycle", "servers": 2, "over_floor": 1.65, "clock": "engine"},
             # another window at the same shape is not the paper's
             {"model": "qwen3.6-35b-a3b-nvfp4", "arm": "wmtp", "k": 6, "context": CONTEXT, "S": 16, "W": 4096,
              "step_ms": 1.0},
@@ -57,6 +57,10 @@ def test_an_h200_step_at_the_papers_shape_sits_beside_the_papers():
     frame = paper_steps_section(PUBLISHED, steps).frame.set_index("model")
     q35 = frame.loc["qwen3.6-35b-a3b-nvfp4"]
     assert (q35["H200 native (ms)"], q35["H200 windowed (ms)"], q35["H200 native / windowed"]) == (30.0, 24.0, 1.25)
+    assert (q35["H200 × floor native / windowed"], q35["H200 servers native / windowed"]) == ("1.70/1.65", "3/2")
+    assert q35["H200 clock"] == "engine"
+    q122 = frame.loc["qwen3.5-122b-a10b-nvfp4"]
+    assert (q122["H200 servers native / windowed"], q122["H200 clock"]) == ("–/–", "")
     assert math.isnan(frame.loc["qwen3.5-122b-a10b-nvfp4", "H200 native (ms)"])
 
 

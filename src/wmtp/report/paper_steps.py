@@ -17,6 +17,7 @@ from wmtp.analyze import costmodel
 from wmtp.analyze.floor import step_floor_ms
 from wmtp.config import PAPER_SINK, PAPER_WINDOW
 from wmtp.report.compare import canonical_model, model_file
+from wmtp.report.engine_steps import cell_number
 from wmtp.report.labels import context_label
 from wmtp.report.load import Section
 
@@ -42,12 +43,12 @@ def _floor(spec: costmodel.ModelSpec, context: int, k: int, arm: str, bandwidth:
     return step_floor_ms(spec, context, k, arm, bandwidth, sink=PAPER_SINK, window=PAPER_WINDOW)["step"]
 
 
-def _engine_step(steps: pd.DataFrame | None, model: str, k: int, context: int, arm: str) -> float:
+def _engine_step(steps: pd.DataFrame | None, model: str, k: int, context: int, arm: str) -> pd.Series | None:
     """The real engine's cycle at that model, k and context, batch 1, as vLLM runs by default (no attention options
-    of the study's own), the windowed arm at the paper's S and W with the window set once a cycle; NaN where that
+    of the study's own), the windowed arm at the paper's S and W with the window set once a cycle; None where that
     was not measured."""
     if steps is None or steps.empty:
-        return math.nan
+        return None
     names = steps["model"].map(canonical_model)
     rows = steps[(names == canonical_model(model)) & (steps["arm"] == arm) & (steps["k"] == k)]
     rows = rows[(rows["context"] == context) & (rows.get("batch", 1) == 1)]
@@ -57,7 +58,12 @@ def _engine_step(steps: pd.DataFrame | None, model: str, k: int, context: int, a
         rows = rows[(rows["S"] == PAPER_SINK) & (rows["W"] == PAPER_WINDOW)]
         if "window_anchor" in rows.columns:
             rows = rows[rows["window_anchor"].fillna("forward") == "cycle"]
-    return float(rows["step_ms"].iloc[0]) if len(rows) else math.nan
+    return rows.iloc[0] if len(rows) else None
+
+
+def _shown(row: pd.Series | None, column: str, spec: str) -> str:
+    value = cell_number(row, column)
+    return "–" if math.isnan(value) else format(value, spec)
 
 
 def paper_steps_section(published: pd.DataFrame, steps: pd.DataFrame | None = None) -> Section:
@@ -93,9 +99,17 @@ def paper_steps_section(published: pd.DataFrame, steps: pd.DataFrame | None = No
                 "windowed × floor": windowed / floor["wmtp"],
                 "saved (ms)": native - windowed,
                 "saved by bytes (ms, B200)": floor["mtp"] - floor["wmtp"],
-                "H200 native (ms)": h200["mtp"],
-                "H200 windowed (ms)": h200["wmtp"],
-                "H200 native / windowed": h200["mtp"] / h200["wmtp"],
+                "H200 native (ms)": cell_number(h200["mtp"], "step_ms"),
+                "H200 windowed (ms)": cell_number(h200["wmtp"], "step_ms"),
+                "H200 native / windowed": cell_number(h200["mtp"], "step_ms") / cell_number(h200["wmtp"], "step_ms"),
+                # How far each H200 cycle sits above its byte floor, how many servers it came from and by which clock.
+                "H200 × floor native / windowed": "/".join(
+                    _shown(h200[a], "over_floor", ".2f") for a in ("mtp", "wmtp")
+                ),
+                "H200 servers native / windowed": "/".join(_shown(h200[a], "servers", ".0f") for a in ("mtp", "wmtp")),
+                "H200 clock": "/".join(
+                    sorted({str(r["clock"]) for r in h200.values() if r is not None and "clock" in r})
+                ),
                 "floor native / windowed (H200)": h200_floor["mtp"] / h200_floor["wmtp"],
             }
         )

@@ -290,9 +290,8 @@ def _add_growth(table: pd.DataFrame) -> None:
     table["growth_ms"] = math.nan
     table["growth_floor_ms"] = math.nan
     table["growth_servers"] = 0
-    for _, group in table.groupby(
-        ["attention_config", "arm", "k", "S", "W", "window_anchor", "batch"], dropna=False, sort=False
-    ):
+    # One configuration: every key of a shape but its context.
+    for _, group in table.groupby([key for key in SHAPE if key != "context"], dropna=False, sort=False):
         ordered = group.sort_values("context")
         for (_, shorter), (index, longer) in zip(ordered.iterrows(), ordered.iloc[1:].iterrows(), strict=False):
             both = sorted(set(shorter["by_server"]) & set(longer["by_server"]))

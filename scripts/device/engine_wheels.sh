@@ -28,7 +28,7 @@
 # and the engine's own run follows within 30 s, with PYTHONPATH=/tmp/wmtp-engine/site.
 #
 # A run on the H200 carries at most 64 MiB, the repository's working tree included, so PART_SIZE
-# defaults to 56M (the tree is a few MiB); raise it only while part + tree stays under that.
+# defaults to 50M (the tree is about 8 MiB); raise it only while part + tree stays under that.
 #
 # Environment:
 #   VLLM_VERSION   vLLM release to carry (default 0.24.0)
@@ -36,7 +36,7 @@
 #   PYTHON         interpreter that runs pip; a CPython 3.12 is preferred, because pip evaluates
 #                  environment markers (python_version) against the interpreter that runs it
 #                  (default: python3.12 if it runs, else python3)
-#   PART_SIZE      size of one part, as split -b takes it (default 56M; at most 60M)
+#   PART_SIZE      size of one part, as split -b takes it (default 50M; at most 55M)
 #   GLIBC_MINOR    newest manylinux_2_N tag the H200's glibc accepts (default 39, Ubuntu 24.04)
 #   ENGINE_SKIP    extra package names to leave out, separated by spaces
 #
@@ -58,7 +58,7 @@ PURE_SDISTS="connection-pool"
 
 out=${1:-.gpu-inputs/engine-parts}
 vllm_version=${VLLM_VERSION:-0.24.0}
-part_size=${PART_SIZE:-56M}
+part_size=${PART_SIZE:-50M}
 glibc_minor=${GLIBC_MINOR:-39}
 
 die() { echo "engine_wheels: error: $*" >&2; exit 1; }

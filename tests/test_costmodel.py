@@ -197,3 +197,25 @@ def test_errors_name_the_field():
     bad = dict(GDN_MOE, layer_pattern="LX")
     with pytest.raises(ValueError, match=r"layer_pattern\[1\]"):
         cm.model_from_dict(bad)
+
+
+@pytest.mark.parametrize("fname", ["qwen3.6-35b-a3b.json", "nemotron-3-super-120b-a12b.json"])
+@pytest.mark.parametrize("arm", ["none", "mtp", "wmtp"])
+def test_a_cycles_components_as_a_trace_splits_them_sum_to_its_bytes(fname, arm):
+    spec = cm.load_model(MODELS / fname)
+    whole = fl.step_bytes(spec, 131_072, 3, arm, sink=16, window=4096)
+    parts = fl.cycle_component_bytes(spec, 131_072, 3, arm, sink=16, window=4096)
+    assert sum(parts.values()) == pytest.approx(sum(whole.values()))
+    assert all(value >= 0 for value in parts.values())
+    assert parts["target_attn"] == whole["target_attn"] and parts["draft_attn"] == whole["draft_attn"]
+    # Every lm_head of the cycle: the target's and one a draft forward.
+    assert parts["lm_head"] == pytest.approx((1 + (0 if arm == "none" else 3)) * cm.lm_head_bytes(spec))
+    # The recurrent kernels move the state, not the projections' weights (those are GEMMs).
+    assert parts["target_gdn"] == pytest.approx(cm.verify_bytes(spec, 131_072, 1 if arm == "none" else 4).state)
+
+
+def test_the_routed_experts_a_verify_touches_grow_with_its_tokens():
+    spec = cm.load_model(MODELS / "qwen3.6-35b-a3b.json")
+    one = fl.cycle_component_bytes(spec, 131_072, 3, "none")["target_moe"]
+    four = fl.cycle_component_bytes(spec, 131_072, 3, "mtp")["target_moe"]
+    assert 1 < four / one < 4

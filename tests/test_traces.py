@@ -61,3 +61,66 @@ def test_a_trace_that_caught_a_prefill_or_no_step_is_refused():
         cycle_breakdown([_step(0, 100, prefills=1), _step(100, 50)])
     with pytest.raises(TraceError, match="no engine step"):
         cycle_breakdown([_kernel("flash_fwd_kernel", 0, 10)])
+
+
+def _launch(name: str, ts: float, correlation: int) -> dict:
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": 1, "args": {"correlation": correlation}}
+
+
+def _launched(name: str, ts: float, dur: float, correlation: int) -> dict:
+    return {**_kernel(name, ts, dur), "args": {"correlation": correlation}}
+
+
+def test_kernels_are_counted_by_the_launch_that_enqueued_them():
+    # One traced step as vLLM runs a drafting arm: inputs copied, the target's full graph, its lm_head and the
+    # sampler, then the drafter's forwards, each a piecewise graph with its attention launched outside it.
+    events = [
+        _step(0, 50),
+        _launch("cudaMemcpyAsync", 5, 1),
+        _launch("cudaGraphLaunch", 10, 2),
+        _launch("cuLaunchKernelEx", 20, 3),
+        _launch("cudaLaunchKernel", 22, 4),
+        _launch("cudaGraphLaunch", 30, 5),
+        _launch("cudaLaunchKernelExC", 32, 6),
+        _launch("cudaGraphLaunch", 34, 7),
+        _launch("cuLaunchKernelEx", 36, 8),
+        _launch("cudaLaunchKernel", 38, 9),
+        _launched("Memcpy HtoD (Pinned -> Device)", 6, 1, 1),
+        # The target's graph: its attention, recurrent, MoE and dense kernels.
+        _launched("flash_fwd_splitkv_kernel", 12, 40, 2),
+        _launched("fused_sigmoid_gating_delta_rule_update_kernel", 52, 3, 2),
+        _launched("fused_moe_kernel", 55, 20, 2),
+        _launched("nvjet_sm90_tst_64x8", 75, 10, 2),
+        _launched("nvjet_sm90_tst_512x8", 85, 8, 3),  # the target's lm_head, outside the graph
+        _launched("rejection_greedy_sample_kernel", 93, 2, 4),
+        _launched("nvjet_sm90_tst_64x8", 95, 4, 5),  # the draft's projections, in its piecewise graph
+        _launched("flash_fwd_splitkv_kernel", 99, 6, 6),
+        _launched("fused_moe_kernel", 105, 5, 7),
+        _launched("nvjet_sm90_tst_512x8", 110, 8, 8),  # the draft's lm_head
+        _launched("reduce_kernel", 118, 1, 9),  # its argmax
+        _kernel("flash_fwd_kernel", 120, 2),  # no launch recorded for it
+    ]
+    out = cycle_breakdown(events)
+    assert out["components"] == {
+        "draft_attn": 6.0,
+        "draft_other": 10.0,  # the draft's graphs' kernels and its argmax
+        "lm_head": 16.0,
+        "sampling": 2.0,
+        "step_prep": 1.0,
+        "target_attn": 40.0,
+        "target_gdn": 3.0,
+        "target_moe": 20.0,
+        "target_other": 10.0,
+        "unattributed": 2.0,
+    }
+
+
+def test_a_step_without_a_graph_launch_is_split_by_kernel_name():
+    events = [
+        _step(0, 50),
+        _launch("cudaLaunchKernel", 5, 1),
+        _launch("cudaLaunchKernel", 6, 2),
+        _launched("flash_fwd_kernel", 10, 5, 1),
+        _launched("fused_moe_kernel", 15, 5, 2),
+    ]
+    assert cycle_breakdown(events)["components"] == {"attention": 5.0, "moe": 5.0}

@@ -116,14 +116,15 @@ def cmd_iteration_statistic(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_table(args: argparse.Namespace) -> int:
-    """Profiled cells' traces → one row per (traced request, component): steps, wall, device busy and idle (µs)."""
+    """Profiled cells' traces → one row per (traced request, component): steps, wall, device busy and idle, the
+    component's device time and its byte floor (µs)."""
     import pandas as pd
 
-    from wmtp.analyze.traces import COLUMNS, cell_trace_table
+    from wmtp.analyze.traces import TABLE_COLUMNS, cell_trace_table
 
     rows = cell_trace_table(args.cells)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(rows, columns=["cell_id", "rung", *COLUMNS]).to_csv(args.out, index=False)
+    pd.DataFrame(rows, columns=TABLE_COLUMNS).to_csv(args.out, index=False)
     logging.getLogger("wmtp.traces").info("wrote %s: %d rows from %d cells", args.out, len(rows), len(args.cells))
     return 0
 

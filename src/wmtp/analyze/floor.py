@@ -34,6 +34,33 @@ def step_bytes(
     }
 
 
+def cycle_component_bytes(
+    spec: cm.ModelSpec, context: int, k: int, arm: str, *, sink: int = 0, window: int = 0
+) -> dict[str, float]:
+    """Bytes of each part of one decode cycle of one request, split as a traced cycle's kernels are
+    (:data:`wmtp.analyze.traces.STEP_COMPONENTS`): the target's attention (its KV); its recurrent kernels (the
+    recurrent state they read and write; their projections are GEMMs); its routed experts (the fused MoE kernels);
+    the rest of its weights (every dense GEMM: projections, shared experts, router; embedding rows); every lm_head of
+    the cycle, the target's and each draft forward's; the draft's attention (its KV) and the rest of its forwards
+    (their weights). They sum to :func:`step_bytes`."""
+    parts = step_bytes(spec, context, k, arm, sink=sink, window=window)
+    tokens = 1 if arm == "none" else k + 1
+    state = cm.verify_bytes(spec, context, tokens).state
+    per_weight = spec.quantized_bytes if "moe" in spec.quantized_parts else spec.weight_bytes
+    m = spec.moe
+    experts = cm.expected_distinct_experts(m.num_experts, m.top_k, tokens) * cm.expert_params(spec) * per_weight
+    routed = spec.count("moe") * experts
+    return {
+        "target_attn": parts["target_attn"],
+        "target_gdn": state,
+        "target_moe": routed,
+        "target_other": parts["target_other"] - state - routed,
+        "lm_head": parts["lm_head"] + parts["draft_lm_head"],
+        "draft_attn": parts["draft_attn"],
+        "draft_other": parts["draft_other"],
+    }
+
+
 def step_floor_ms(
     spec: cm.ModelSpec,
     context: int,

@@ -6,28 +6,40 @@ G decoding requests of g tokens); the device's own activity is the trace's kerne
 time is the traced span, from the first step's start on the host to the last device event's end, over the steps:
 with asynchronous scheduling a step's kernels run while the host prepares the next, so a span, not a step's host
 range, is what a cycle costs. Within it the device is busy for the union of its events, idle for the rest (the
-host-bound part of a cycle), and each component is the time of the kernels its name pattern claims, first match
-first. A trace without device events (the CPU build) gives the wall time and no components.
+host-bound part of a cycle).
+
+Each device event is counted under a component by the call that enqueued it (the trace links the two by a
+correlation id) and by its name. The target's forward is the step's first CUDA-graph launch (a full graph in vLLM's
+decode); the drafter's forwards come after it, each in piecewise graphs with its attention launched between them.
+So: the first graph's kernels are the target's (attention, Gated DeltaNet, MoE, the rest); a GEMM launched outside
+any graph after it is an lm_head (the target's and each draft forward's); attention after it is the draft's; what
+runs between the target's graph and the drafter's first is sampling (the rejection sampler, the drafter's inputs,
+a windowed draft's first metadata build); the rest after that is the draft's; what the step launched before the
+target's graph prepares its inputs. A step with no graph launch (an eager engine) is split by kernel name alone. A
+trace without device events (the CPU build) gives the wall time and no components.
 """
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import logging
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from wmtp.layout import REQUESTS_FILE
+from wmtp.layout import MANIFEST_FILE, REQUESTS_FILE
 
 STEP = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
 HOST_ANNOTATION = "user_annotation"
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
-# A kernel's component by its name, first match first: FlashAttention and FlashInfer for full attention, the
-# Gated DeltaNet's recurrent and convolution kernels, the fused MoE's experts and routing, the dense GEMMs
-# (projections and the lm_head). What none claims is "other" (norms, activations, sampling, the plugin's kernels).
+# A kernel's kind by its name, first match first: FlashAttention and FlashInfer for full attention, the Gated
+# DeltaNet's recurrent and convolution kernels, the fused MoE's experts and routing, the dense GEMMs (projections and
+# the lm_head). What none claims is "other" (norms, activations, sampling, the plugin's kernels).
 COMPONENTS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("attention", re.compile(r"flash|fmha|attn|attention", re.I)),
     ("gated deltanet", re.compile(r"delta_rule|gated_delta|recurrent|causal_conv|conv1d|gdn", re.I)),
@@ -36,8 +48,17 @@ COMPONENTS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("memory", re.compile(r"memcpy|memset", re.I)),
 )
 OTHER = "other"
+# The components of a step whose target and drafter run in CUDA graphs, in the order of a cycle.
+TARGET_PARTS = {"attention": "target_attn", "gated deltanet": "target_gdn", "moe": "target_moe"}
+STEP_COMPONENTS = (
+    "step_prep", "target_attn", "target_gdn", "target_moe", "target_other", "lm_head", "sampling", "draft_attn",
+    "draft_other", "unattributed",
+)  # fmt: skip
+LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 log = logging.getLogger(__name__)
 COLUMNS = ["trace", "steps", "tokens_per_step", "wall_us", "device_busy_us", "device_idle_us", "component", "us"]
+# What a traced request's rows also carry: its cell, context and GPU, and each component's byte floor.
+TABLE_COLUMNS = ["cell_id", "rung", "gpu", *COLUMNS, "floor_us"]
 
 
 class TraceError(ValueError):
@@ -74,6 +95,48 @@ def decode_steps(events: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]
     return steps
 
 
+@dataclass(frozen=True)
+class _Launch:
+    step: int  # the engine step whose host work enqueued it (-1: before the first traced step)
+    at: float  # host time of the call
+    graph: bool  # a CUDA-graph launch
+
+
+def _launches(events: Sequence[Mapping[str, Any]], step_starts: Sequence[float]) -> dict[Any, _Launch]:
+    """Each launch call by its correlation id, with the step it belongs to: the last step started before it (the
+    drafter's forwards run after the step's own annotation ends, before the next one starts)."""
+    launches = {}
+    for e in events:
+        correlation = (e.get("args") or {}).get("correlation")
+        if e.get("cat") in LAUNCH_CATEGORIES and correlation is not None:
+            at = float(e["ts"])
+            step = bisect.bisect_right(step_starts, at) - 1
+            launches[correlation] = _Launch(step, at, "GraphLaunch" in str(e.get("name", "")))
+    return launches
+
+
+def component_in_step(kernel: str, launch: _Launch | None, graph_launches: Sequence[float]) -> str:
+    """The step component a device event is counted under, from the call that enqueued it and the times of its step's
+    graph launches (in order); by name alone where the step launched no graph."""
+    kind = component_of(kernel)
+    if launch is None or launch.step < 0:
+        return "unattributed"
+    if not graph_launches:
+        return kind
+    target = graph_launches[0]
+    if launch.at < target:
+        return "step_prep"
+    if launch.graph and launch.at == target:
+        return TARGET_PARTS.get(kind, "target_other")
+    if kind == "attention":
+        return "draft_attn"
+    if kind == "gemm" and not launch.graph:
+        return "lm_head"
+    if len(graph_launches) < 2 or launch.at < graph_launches[1]:
+        return "sampling"
+    return "draft_other"
+
+
 def cycle_breakdown(events: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One traced decode: its steps, tokens per step, wall, device busy and idle time per step (µs), and each
     component's device time per step."""
@@ -81,19 +144,31 @@ def cycle_breakdown(events: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if not steps:
         raise TraceError("the trace holds no engine step")
     start = float(steps[0]["ts"])
+    step_starts = [float(s["ts"]) for s in steps]
+    launches = _launches(events, step_starts)
+    graph_launches: dict[int, list[float]] = {}
+    for launch in sorted(launches.values(), key=lambda item: item.at):
+        if launch.graph:
+            graph_launches.setdefault(launch.step, []).append(launch.at)
     # A kernel the untraced step before launched can still run when the trace starts: only its part inside counts.
     device = [
-        (str(e.get("name", "")), max(float(e["ts"]), start), float(e["ts"]) + float(e["dur"]))
+        (str(e.get("name", "")), (e.get("args") or {}).get("correlation"), max(float(e["ts"]), start),
+         float(e["ts"]) + float(e["dur"]))
         for e in events
         if e.get("cat") in DEVICE_CATEGORIES and "dur" in e and float(e["ts"]) + float(e["dur"]) > start
-    ]
-    end = max([float(s["ts"]) + float(s["dur"]) for s in steps] + [stop for _, _, stop in device])
+    ]  # fmt: skip
+    end = max([float(s["ts"]) + float(s["dur"]) for s in steps] + [stop for *_, stop in device])
     n = len(steps)
     tokens = [int(STEP.fullmatch(str(s["name"])).group(4)) for s in steps]  # type: ignore[union-attr]
-    busy = union_us((begin, stop) for _, begin, stop in device)
+    busy = union_us((begin, stop) for *_, begin, stop in device)
     components: dict[str, float] = {}
-    for kernel, begin, stop in device:
-        name = component_of(kernel)
+    for kernel, correlation, begin, stop in device:
+        launch = launches.get(correlation) if correlation is not None else None
+        # A trace without correlation ids (no launch calls recorded) is split by name alone.
+        if not launches:
+            name = component_of(kernel)
+        else:
+            name = component_in_step(kernel, launch, graph_launches.get(launch.step, []) if launch else [])
         components[name] = components.get(name, 0.0) + (stop - begin) / n
     return {
         "steps": n,
@@ -118,8 +193,28 @@ def trace_rows(name: str, breakdown: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [{"trace": name, **common, "component": c, "us": us} for c, us in components.items()]
 
 
+def component_floors_us(manifest: Mapping[str, Any], context: int) -> dict[str, float]:
+    """Each component's byte floor (µs) for one request of the cell at ``context`` tokens: the cost model's bytes
+    for the cell's checkpoint at the GPU's measured bandwidth; empty where either is unknown (a CPU)."""
+    from wmtp.analyze import costmodel
+    from wmtp.analyze.floor import cycle_component_bytes
+
+    cell, config = manifest["cell"], manifest.get("model_config")
+    bandwidth = costmodel.device_bandwidth((manifest.get("gpu_at_start") or {}).get("gpu_name"))
+    if bandwidth is None or not config:
+        return {}
+    try:
+        spec = costmodel.model_from_hf_config(config)
+    except (KeyError, TypeError, ValueError):
+        return {}
+    arm = cell["arm"] if cell["arm"] in ("none", "mtp") else "wmtp"
+    sink, window = int(cell.get("sink") or 0), int(cell.get("window") or 0)
+    parts = cycle_component_bytes(spec, context, int(cell.get("k") or 0), arm, sink=sink, window=window)
+    return {name: 1e6 * value / bandwidth for name, value in parts.items()}
+
+
 def cell_trace_table(cell_dirs: Iterable[Path]) -> list[dict[str, Any]]:
-    """Every measured request's traces in these raw cell folders, as tidy rows with the cell id and rung."""
+    """Every measured request's traces in these raw cell folders, as tidy rows (``TABLE_COLUMNS``)."""
     import pandas as pd
 
     rows: list[dict[str, Any]] = []
@@ -127,6 +222,8 @@ def cell_trace_table(cell_dirs: Iterable[Path]) -> list[dict[str, Any]]:
         requests = pd.read_parquet(cell_dir / REQUESTS_FILE)
         if "profile_traces" not in requests:
             raise TraceError(f"{cell_dir}: its requests were not profiled (no profile_traces column)")
+        manifest = json.loads((cell_dir / MANIFEST_FILE).read_text())
+        gpu = (manifest.get("gpu_at_start") or {}).get("gpu_name")
         for request in requests[~requests["warmup"]].itertuples():
             names = list(request.profile_traces) if request.profile_traces is not None else []
             if not names:
@@ -134,8 +231,11 @@ def cell_trace_table(cell_dirs: Iterable[Path]) -> list[dict[str, Any]]:
                     "%s: a request at rung %d left no trace (it ended before the engine's skipped and traced steps)",
                     cell_dir, request.rung,
                 )  # fmt: skip
+            floors = component_floors_us(manifest, int(request.rung))
             for name in names:
                 breakdown = cycle_breakdown(read_trace(cell_dir / name))
                 for row in trace_rows(str(name), breakdown):
-                    rows.append({"cell_id": request.cell_id, "rung": request.rung, **row})
+                    floor = floors.get(row["component"], math.nan)
+                    where = {"cell_id": request.cell_id, "rung": request.rung, "gpu": gpu}
+                    rows.append({**where, **row, "floor_us": floor})
     return rows

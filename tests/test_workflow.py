@@ -96,7 +96,7 @@ def test_the_h200_profile_study_plans_one_traced_server_per_arm(tmp_path):
     out = run("-n", "--configfile", "config/studies/h200-vllm-profile.yaml", *scratch_dirs(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     jobs = job_counts(out.stdout)
-    assert jobs["piece"] == 3 and jobs["collect_pieces"] == 1
+    assert jobs["piece"] == 2 and jobs["collect_pieces"] == 1
     # What h200_background.sh asks for once every piece is there: the step file and the trace table.
     listed = subprocess.run(
         [sys.executable, "-m", "wmtp", "pieces", "--config", "config/studies/h200-vllm-profile.yaml", "--step-files"],
@@ -125,7 +125,7 @@ def test_the_tuned_h200_study_serves_its_attention_options_and_its_step_file_kee
     out = run("-n", "--configfile", "config/studies/h200-vllm-tuned.yaml", *scratch_dirs(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     jobs = job_counts(out.stdout)
-    assert jobs["piece"] == 3 and jobs["collect_pieces"] == 1 and jobs["step_table"] == 1
+    assert jobs["piece"] == 2 and jobs["collect_pieces"] == 1 and jobs["step_table"] == 1
     assert "results/h200-vllm-tuned/steps/qwen3.6-35b-a3b~vllm-tuned.csv" in out.stdout
 
 

@@ -10,6 +10,8 @@ rule report:
         replica=REPLICA_RESULTS / "tidy" / "replica.parquet",
         # A real engine's step files beside the replica's step, as the study names them (replica.engine_steps).
         engine_steps=STUDY.replica.engine_steps,
+        # A profiling study's trace tables (replica.traces).
+        traces=STUDY.replica.traces,
         # Everything else the report reads: editing a published number or a model's facts re-renders it.
         published=sorted(Path(workflow.basedir).glob("config/published/*.csv")),
         models=sorted(Path(workflow.basedir).glob("config/models/*.json")),
@@ -28,4 +30,4 @@ rule report:
         "../envs/pipeline.yaml"
     shell:
         "{params.py} -m wmtp --log {log:q} report --study {params.study:q} --tidy {params.tidy:q} --out {params.out:q} "
-        "--replica {input.replica:q} --engine-steps {input.engine_steps:q}"
+        "--replica {input.replica:q} --engine-steps {input.engine_steps:q} --traces {input.traces:q}"

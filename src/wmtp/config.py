@@ -324,6 +324,9 @@ class ReplicaSettings(_Strict):
     # A real engine's step files (wmtp step-table's CSV, e.g. measurements/h200/vllm_qwen3.6-35b-a3b.csv), which the
     # report sets beside the replica's step: inputs of the report, named here rather than found on disk.
     engine_steps: Annotated[list[str], Unique] = Field(default_factory=list)
+    # A profiling study's trace tables (wmtp trace-table's CSV, e.g. measurements/h200/vllm-profile/traces.csv): where
+    # a real engine's traced cycle goes, component by component, beside each component's byte floor.
+    traces: Annotated[list[str], Unique] = Field(default_factory=list)
     # bytes/s for the prediction; None: the copy bandwidth measured in the same run.
     bandwidth: Annotated[float, Field(gt=0)] | None = None
 

@@ -316,3 +316,30 @@ def engine_cycle_sentence(cycles: pd.DataFrame) -> str:
         f"{by}, one cycle of {at['engine'].iloc[0]} at {at['context'].iloc[0]} took, with the lowest and highest "
         f"request in brackets: {listed}."
     )
+
+
+def cycle_profile_sentence(table: pd.DataFrame, gain: pd.DataFrame) -> str:
+    """What the window saved on the device at the longest traced context, against what its bytes allow, and how far
+    above their floors the target's attention and its dense kernels ran there."""
+    if table.empty:
+        return ""
+    context = int(table["context"].max())
+    at = table[table["context"] == context]
+    parts = []
+    saved = gain[(gain["context"] == context) & (gain["component"] == "draft_attn")] if not gain.empty else gain
+    if not saved.empty:
+        row = saved.iloc[0]
+        parts.append(
+            f"At {context_label(context)} tokens the window took {row['saved_us'] / 1e3:.2f} ms a cycle off the "
+            f"draft's attention on the device, where its bytes allow {row['saved_by_bytes_us'] / 1e3:.2f} ms: the "
+            "rest is the native draft's attention kernel running above its floor"
+        )
+    native = at[at["arm"] == ("mtp" if "mtp" in set(at["arm"]) else at["arm"].iloc[0])].set_index("component")
+    over = [
+        f"{label} {native.at[name, 'over_floor']:.2f}×"
+        for name, label in (("target_attn", "the target's attention"), ("target_other", "its dense kernels"))
+        if name in native.index and math.isfinite(native.at[name, "over_floor"])
+    ]
+    if over:
+        parts.append("there the native arm ran " + " and ".join(over) + " their floors")
+    return ("; ".join(parts) + ".") if parts else ""

@@ -116,6 +116,7 @@ def render_report(
     published_dir: Path | str | None = None,
     replica_path: Path | str | None = None,
     engine_step_paths: Sequence[Path | str] = (),
+    trace_paths: Sequence[Path | str] = (),
     notebook: Path | str | None = None,
     timeout_s: int = 900,
 ) -> Path:
@@ -142,6 +143,7 @@ def render_report(
         "figures_dir": str(figures_dir),
         "replica_path": str(Path(replica_path).resolve()) if replica_path else "",
         "engine_step_paths": [str(Path(p).resolve()) for p in engine_step_paths],
+        "trace_paths": [str(Path(p).resolve()) for p in trace_paths],
     }
     executed = out_dir / "report.ipynb"
     with _venv_kernel():
@@ -178,6 +180,13 @@ def main_report(argv: Sequence[str] | None = None) -> int:
         default=[],
         help="a real engine's step files (vllm_<model>.csv from wmtp step-table), set beside the replica",
     )
+    parser.add_argument(
+        "--traces",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="a profiling study's trace tables (traces.csv from wmtp trace-table): where a traced cycle's time goes",
+    )
     parser.add_argument("--notebook", type=Path, default=None, help=f"report notebook (default {NOTEBOOK})")
     parser.add_argument("--timeout", type=int, default=900, help="per-cell timeout in seconds")
     args = parser.parse_args(list(argv) if argv is not None else None)
@@ -188,6 +197,7 @@ def main_report(argv: Sequence[str] | None = None) -> int:
         published_dir=args.published,
         replica_path=args.replica,
         engine_step_paths=args.engine_steps,
+        trace_paths=args.traces,
         notebook=args.notebook,
         timeout_s=args.timeout,
     )

@@ -29,6 +29,7 @@ from wmtp.report.compare import (
     ring_reclaim_section,
     wedge_section,
 )
+from wmtp.report.cycle_profile import cycle_profile_section, load_traces
 from wmtp.report.engine_steps import (
     clock_check_section,
     engine_cycles,
@@ -589,6 +590,8 @@ class ReportData:
     engine_windows: str
     #: The artifact's published steps beside their byte floors and the real engine's steps at the same shape.
     paper_steps: Section
+    #: Where a real engine's traced cycle goes: each component's device time beside its byte floor, per arm.
+    cycle_profile: Section
 
 
 def load_report_data(
@@ -597,6 +600,7 @@ def load_report_data(
     published_dir: Path | str | None = None,
     replica_path: Path | str | None = None,
     engine_step_paths: Sequence[Path | str] = (),
+    trace_paths: Sequence[Path | str] = (),
     *,
     n_boot: int = an.DEFAULT_N_BOOT,
     seed: int = an.DEFAULT_SEED,
@@ -655,4 +659,5 @@ def load_report_data(
         engine_growth=growth_check_section(steps),
         engine_windows=windows_sentence(steps, replica_table),
         paper_steps=paper_steps_section(published, steps),
+        cycle_profile=cycle_profile_section(load_traces(trace_paths)),
     )

@@ -156,9 +156,9 @@ def files_under(folder: Path) -> set[str]:
 
 
 def broken_spark_study(tmp_path: Path) -> Path:
-    """The Spark study with one bracket left open on line 20 (its engine's packages)."""
+    """The Spark study with one bracket left open on line 22 (its engine's packages)."""
     text = (REPO / "config" / "studies" / "spark-128k.yaml").read_text()
-    assert text.splitlines()[19] == '    packages: ["vllm==0.24.0"]'
+    assert text.splitlines()[21] == '    packages: ["vllm==0.24.0"]'
     study = tmp_path / "broken.yaml"
     study.write_text(text.replace('packages: ["vllm==0.24.0"]', 'packages: ["vllm==0.24.0"', 1))
     return study
@@ -186,9 +186,9 @@ def test_a_yaml_error_stops_every_entry_point_before_the_dag_and_verbose_names_t
     verbose = run("-n", "--verbose", *ENTRY_POINTS[entry], "--configfile", str(study))
     text = verbose.stdout + verbose.stderr
     assert verbose.returncode != 0, text
-    # The unclosed bracket begins on line 20; the parser notices on line 21.
-    assert f'in "{study}", line 20, column 15' in text, text
-    assert f'in "{study}", line 21, column 5' in text, text
+    # The unclosed bracket begins on line 22; the parser notices on line 23.
+    assert f'in "{study}", line 22, column 15' in text, text
+    assert f'in "{study}", line 23, column 5' in text, text
     assert "Building DAG" not in text
     assert files_under(REPO / "results") == before
 
@@ -211,8 +211,8 @@ def test_check_config_names_the_file_line_and_column(tmp_path):
     out = subprocess.run([*check, str(study)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert (
-        f"config: {study}, line 21, column 5: expected ',' or ']', but got '<scalar>' "
-        "(while parsing a flow sequence that begins at line 20, column 15)"
+        f"config: {study}, line 23, column 5: expected ',' or ']', but got '<scalar>' "
+        "(while parsing a flow sequence that begins at line 22, column 15)"
     ) in out.stderr, out.stderr
     missing = tmp_path / "no-such-study.yaml"
     out = subprocess.run([*check, str(missing)], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -13,8 +13,9 @@ the later ones (1 each), and for each:
   inside a round, beside the same for the plugin's previous copy (before it was cut to fewer kernels) and an
   empty call;
 - times one decode cycle's hook work, k = 3 draft forwards (the first with 4 queries, the later ones with 1):
-  as the plugin runs it (the later forwards keep the first one's window and table: one kernel each) beside each
-  forward windowed on its own, as the plugin did before.
+  as the plugin runs it on a GPU (wmtp.plugin.fused's Triton kernels, one launch a forward; `kernels` says which
+  path ran) beside the same cycle with PyTorch operations (`torch_anchored_us`; the two must set the same window)
+  and beside each forward windowed on its own, as the plugin did before.
 
 Usage: PYTHONPATH=src:/tmp/wmtp-engine/site python3 scripts/device/hook_cost.py --out $OUT/hook_cost.json
 """
@@ -168,13 +169,19 @@ def _cycle_row(context: int, batch: int, device: torch.device, config, problems:
 
     counters = wstats.DraftStats(SINK, WINDOW, vllm.__version__)
     state = hook._State(config, counters, K)
+    # The same cycle windowed with PyTorch operations (the plugin's path off a GPU, or with WMTP_WINDOW_KERNELS=torch).
+    torch_counters = wstats.DraftStats(SINK, WINDOW, vllm.__version__)
+    torch_state = hook._State(config, torch_counters, K, buffers=False)
 
-    def anchored_cycle(first, later):
+    def anchored_cycle(first, later, state=state, counters=counters):
         for step in range(K):
             cm = first if step == 0 else later
             windowed, dropped, reused = hook.window_forward(state, cm, config, BLOCK, step)
             counters.record(SINK, WINDOW, BLOCK, cm.max_seq_len, cm.max_query_len, dropped, reused=reused)
         return windowed
+
+    def torch_cycle(first, later):
+        return anchored_cycle(first, later, torch_state, torch_counters)
 
     def per_forward_cycle(first, later):
         for step in range(K):
@@ -186,6 +193,12 @@ def _cycle_row(context: int, batch: int, device: torch.device, config, problems:
     first = _metadata(context, batch, K + 1, device)
     later = _later(first)
     last = anchored_cycle(first, later)
+    by_torch = torch_cycle(first, later)
+    if not (
+        torch.equal(last.seq_lens, by_torch.seq_lens)
+        and torch.equal(last.block_table_tensor, by_torch.block_table_tensor)
+    ):
+        problems.append(f"context {context}, batch {batch}: the window kernels and the PyTorch path differ")
     lens = first.seq_lens.tolist()
     drops = [win.dropped_blocks(length, K + 1, SINK, WINDOW, BLOCK) for length in lens]
     full, table = first.block_table_tensor.tolist(), last.block_table_tensor.tolist()
@@ -206,6 +219,8 @@ def _cycle_row(context: int, batch: int, device: torch.device, config, problems:
         "batch": batch,
         "draft_forwards": K,
         "anchored_us": _host_us(anchored_cycle, first, later),
+        "kernels": "triton" if state.buffers else "torch",
+        "torch_anchored_us": _host_us(torch_cycle, first, later),
         "per_forward_us": _host_us(per_forward_cycle, first, later),
     }
 

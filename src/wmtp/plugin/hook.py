@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import os
 import time
 from types import ModuleType
 from typing import Any
@@ -57,6 +58,7 @@ class _Cycle:
     dropped: torch.Tensor  # blocks dropped per row
     windowed_table: torch.Tensor
     seq_len_bound: int  # of the first forward's windowed lengths; each later forward is one token longer
+    buffers: Any = None  # the proposer's fused.CycleBuffers where its kernels windowed the cycle
 
 
 def windowed_with_drops(cm: Any, config: win.WindowConfig, block_size: int) -> tuple[Any, Any | None]:
@@ -66,10 +68,11 @@ def windowed_with_drops(cm: Any, config: win.WindowConfig, block_size: int) -> t
 
 
 def _window_first(
-    cm: Any, config: win.WindowConfig, block_size: int, width: int | None = None
+    cm: Any, config: win.WindowConfig, block_size: int, width: int | None = None, buffers: Any = None
 ) -> tuple[Any, _Cycle | None]:
     """The windowed copy of a forward that sets its own window; its table ``width`` columns wide (at most the full
-    table's), by default enough for this forward alone."""
+    table's), by default enough for this forward alone; by one kernel into ``buffers`` (``fused.CycleBuffers``)
+    where given."""
     sink, window = config.sink, config.window
     if not win.needs_window(cm.max_seq_len, sink, window):
         return cm, None
@@ -78,6 +81,15 @@ def _window_first(
     n = seq_lens.shape[0]
     query_start = cm.query_start_loc
     n_sink = win.sink_blocks(sink, block_size)
+    bound = win.seq_len_bound(cm.max_query_len, sink, window, block_size)
+    if width is None:
+        width = win.table_width_bound(cm.max_query_len, sink, window, block_size)
+    if buffers is not None:
+        full = cm.block_table_tensor
+        width = min(full.shape[1], width)
+        table, lens, drop = buffers.first(seq_lens, query_start, full, n_sink, window, block_size, width)
+        cycle = _Cycle(full, n, config, block_size, drop, table, bound, buffers)
+        return _windowed_copy(cm, table, lens, bound), cycle
     # ⌊(p0 − W) / B⌋ − n_sink, at least 0, with p0 = seq_len − query_len: folding the sink into the shift keeps it to
     # five small kernels, each launched from the host before every draft forward.
     drop = torch.sub(seq_lens, query_start[1 : n + 1]).add_(query_start[:n]).sub_(window + n_sink * block_size)
@@ -86,15 +98,12 @@ def _window_first(
 
     table = cm.block_table_tensor
     rows, cols = table.shape
-    if width is None:
-        width = win.table_width_bound(cm.max_query_len, sink, window, block_size)
     width = min(cols, width)
     column, after_sink = _columns(width, n_sink, table.device)
     row_drop = drop if rows == n else torch.cat([drop, drop.new_zeros(max(rows - n, 0))])[:rows]
     index = torch.mul(row_drop[:, None], after_sink).add_(column).clamp_(max=cols - 1)
     new_table = torch.gather(table, 1, index)
 
-    bound = win.seq_len_bound(cm.max_query_len, sink, window, block_size)
     cycle = _Cycle(table, n, config, block_size, drop, new_table, bound)
     return _windowed_copy(cm, new_table, new_seq_lens, bound), cycle
 
@@ -102,7 +111,10 @@ def _window_first(
 def _window_later(cm: Any, cycle: _Cycle, step: int) -> Any:
     """The windowed copy of a later forward of an anchored cycle, ``step`` tokens on: one kernel."""
     _refuse_positional_fields(cm)
-    new_seq_lens = torch.sub(cm.seq_lens, cycle.dropped, alpha=cycle.block_size)
+    if cycle.buffers is not None:
+        new_seq_lens = cycle.buffers.later(cm.seq_lens, cycle.dropped, cycle.block_size, step)
+    else:
+        new_seq_lens = torch.sub(cm.seq_lens, cycle.dropped, alpha=cycle.block_size)
     return _windowed_copy(cm, cycle.windowed_table, new_seq_lens, cycle.seq_len_bound + step)
 
 
@@ -147,6 +159,8 @@ class _State:
     draft_steps: int  # k: a cycle's draft forwards
     logged: bool = False
     cycle: _Cycle | None = None
+    # The window kernels' buffers on a GPU (fused.CycleBuffers), made at the first windowed build; False: none.
+    buffers: Any = None
 
 
 def window_forward(
@@ -158,10 +172,11 @@ def window_forward(
     A decode cycle's first forward (``draft_index`` 0) sets the window and keeps it in ``state``; a later
     forward of the same cycle (same block table, same rows, same S and W) reuses it.
     """
+    buffers = _buffers(state, cm.block_table_tensor)
     if draft_index == 0:
         anchors = win.anchors_cycle(cm.max_query_len, state.draft_steps)
         width = win.anchored_table_width(config.sink, config.window, block_size, state.draft_steps) if anchors else None
-        windowed, cycle = _window_first(cm, config, block_size, width)
+        windowed, cycle = _window_first(cm, config, block_size, width, buffers)
         state.cycle = cycle if anchors else None
         return windowed, None if cycle is None else cycle.dropped, False
     cycle = state.cycle
@@ -172,8 +187,28 @@ def window_forward(
         and cycle.config == config
     ):
         return _window_later(cm, cycle, draft_index), cycle.dropped, True
-    windowed, cycle = _window_first(cm, config, block_size)
+    windowed, cycle = _window_first(cm, config, block_size, None, buffers)
     return windowed, None if cycle is None else cycle.dropped, False
+
+
+# Set to "torch" to window with PyTorch operations on a GPU too (about a dozen launches a cycle instead of k).
+KERNELS_ENV = "WMTP_WINDOW_KERNELS"
+
+
+def _buffers(state: _State, table: torch.Tensor) -> Any:
+    """The proposer's window-kernel buffers where its block table is on a GPU and Triton is there; None otherwise.
+    Made once: from then on the kernels keep the count of dropped blocks on the device."""
+    if state.buffers is None:
+        state.buffers = False
+        if table.is_cuda and os.environ.get(KERNELS_ENV, "triton") != "torch":
+            try:
+                from wmtp.plugin import fused
+            except ImportError:
+                log.warning("wmtp: Triton does not import; the window is set with PyTorch operations")
+            else:
+                state.buffers = fused.CycleBuffers(table.device)
+                state.stats.count_on_device(state.buffers.total)
+    return state.buffers or None
 
 
 def _refuse(what: str) -> HookPointError:

@@ -81,6 +81,7 @@ class DraftStats:
         self._skipped = None  # a device tensor: the sum of dropped blocks, read back only when written
         self._cycle_total = None  # the dropped blocks of the current cycle's first forward (a device tensor)
         self._reuses = 0  # later forwards of that cycle not yet added to _skipped
+        self._on_device = False  # the window's kernels keep _skipped themselves (count_on_device)
         self._skipped_host = 0
         self._skipped_as_of = 0  # the longest decode context when the sum in _skipped_host was taken
         self._pending: tuple[Any, Any, int] | None = None  # (pinned host copy, its CUDA event, decode context)
@@ -116,7 +117,9 @@ class DraftStats:
         if dropped is not None:
             first = self.windowed_forwards == 0
             self.windowed_forwards += 1
-            if reused and self._cycle_total is not None:
+            if self._on_device:
+                self.anchored_forwards += int(reused)
+            elif reused and self._cycle_total is not None:
                 self.anchored_forwards += 1
                 self._reuses += 1
             else:
@@ -127,6 +130,14 @@ class DraftStats:
         due = self.builds % WRITE_EVERY_BUILDS == 0 or time.monotonic() - self._written_at >= WRITE_EVERY_S
         if self.path is not None and (first or due):
             self.write()
+
+    def count_on_device(self, total: Any) -> None:
+        """From now on the window's kernels add every windowed forward's dropped blocks to ``total`` themselves (one
+        int64 on the device, ``fused.CycleBuffers.total``); ``record`` only counts forwards."""
+        self._fold_reuses()
+        if self._skipped is not None:
+            total.add_(self._skipped)
+        self._skipped, self._cycle_total, self._on_device = total, None, True
 
     def _fold_reuses(self) -> None:
         if self._reuses:

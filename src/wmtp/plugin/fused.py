@@ -20,11 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
+# Every integer is passed unspecialised and every length is looped over in fixed chunks, so that each kernel compiles
+# once (at the proposer's start, ``CycleBuffers.warm_up``), never inside a request whose decode is being timed.
+CHUNK = 64
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["table_stride", "rows", "cols", "n_seqs", "shift", "n_sink", "block_size", "width"])
 def _first_kernel(
     seq_lens, query_start, table, table_stride, rows, cols, out_table, out_seq_lens, out_drop, total,
-    n_seqs, shift, n_sink, block_size, width, COLUMNS: tl.constexpr,
+    n_seqs, shift, n_sink, block_size, width, CHUNK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     is_seq = row < n_seqs
@@ -33,24 +37,29 @@ def _first_kernel(
     last = tl.load(query_start + row + 1, mask=is_seq, other=0).to(tl.int64)
     # Clamped before the division, so that it floors a number at least 0.
     drop = tl.maximum(seq_len - (last - first) - shift, 0) // block_size
-    column = tl.arange(0, COLUMNS)
-    inside = (column < width) & (column * 0 + row < rows)
-    source = tl.minimum(tl.where(column >= n_sink, column + drop, column), cols - 1)
-    values = tl.load(table + row * table_stride + source, mask=inside, other=0)
-    tl.store(out_table + row * width + column, values, mask=inside)
+    for start in range(0, width, CHUNK):
+        column = start + tl.arange(0, CHUNK)
+        inside = (column < width) & (column * 0 + row < rows)
+        source = tl.minimum(tl.where(column >= n_sink, column + drop, column), cols - 1)
+        values = tl.load(table + row * table_stride + source, mask=inside, other=0)
+        tl.store(out_table + row * width + column, values, mask=inside)
     tl.store(out_seq_lens + row, (seq_len - drop * block_size).to(out_seq_lens.dtype.element_ty), mask=is_seq)
     tl.store(out_drop + row, drop, mask=is_seq)
     tl.atomic_add(total, drop, mask=is_seq)
 
 
-@triton.jit
-def _later_kernel(seq_lens, drop, out_seq_lens, total, n_seqs, block_size, ROWS: tl.constexpr):
-    row = tl.arange(0, ROWS)
-    is_seq = row < n_seqs
-    seq_len = tl.load(seq_lens + row, mask=is_seq, other=0).to(tl.int64)
-    dropped = tl.load(drop + row, mask=is_seq, other=0)
-    tl.store(out_seq_lens + row, (seq_len - dropped * block_size).to(out_seq_lens.dtype.element_ty), mask=is_seq)
-    tl.atomic_add(total, tl.sum(dropped, axis=0))
+@triton.jit(do_not_specialize=["n_seqs", "block_size"])
+def _later_kernel(seq_lens, drop, out_seq_lens, total, n_seqs, block_size, CHUNK: tl.constexpr):
+    dropped_sum = tl.zeros((), dtype=tl.int64)
+    for start in range(0, n_seqs, CHUNK):
+        row = start + tl.arange(0, CHUNK)
+        is_seq = row < n_seqs
+        seq_len = tl.load(seq_lens + row, mask=is_seq, other=0).to(tl.int64)
+        dropped = tl.load(drop + row, mask=is_seq, other=0)
+        out = (seq_len - dropped * block_size).to(out_seq_lens.dtype.element_ty)
+        tl.store(out_seq_lens + row, out, mask=is_seq)
+        dropped_sum += tl.sum(dropped, axis=0)
+    tl.atomic_add(total, dropped_sum)
 
 
 class CycleBuffers:
@@ -61,6 +70,20 @@ class CycleBuffers:
         self.device = device
         self.total = torch.zeros(1, dtype=torch.int64, device=device)
         self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def warm_up(self, seq_dtype: torch.dtype = torch.int32, table_dtype: torch.dtype = torch.int32) -> None:
+        """Compile both kernels on a one-row batch of the engine's dtypes, counting into a scratch total."""
+        kept = self.total
+        self.total = torch.zeros(1, dtype=torch.int64, device=self.device)
+        try:
+            seq_lens = torch.full((1,), 8, dtype=seq_dtype, device=self.device)
+            query_start = torch.tensor([0, 1], dtype=seq_dtype, device=self.device)
+            table = torch.zeros((1, 4), dtype=table_dtype, device=self.device)
+            _, _, drop = self.first(seq_lens, query_start, table, 1, 2, 2, 3)
+            self.later(seq_lens, drop, 2, 1)
+        finally:
+            self.total = kept
+        self._buffers.clear()
 
     def _get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         key = (name, shape, dtype)
@@ -87,8 +110,7 @@ class CycleBuffers:
         out_drop = self._get("drop", (n,), torch.int64)
         _first_kernel[(max(rows, n),)](
             seq_lens, query_start, table, table.stride(0), rows, cols, out_table, out_seq_lens, out_drop, self.total,
-            n, window + sink_blocks * block_size, sink_blocks, block_size, width,
-            COLUMNS=triton.next_power_of_2(max(width, 1)),
+            n, window + sink_blocks * block_size, sink_blocks, block_size, width, CHUNK=CHUNK,
         )  # fmt: skip
         return out_table, out_seq_lens, out_drop
 
@@ -97,5 +119,5 @@ class CycleBuffers:
         its own, so that no forward's lengths change under an earlier one's attention)."""
         n = seq_lens.shape[0]
         out_seq_lens = self._get(f"seq_lens {step}", (n,), seq_lens.dtype)
-        _later_kernel[(1,)](seq_lens, drop, out_seq_lens, self.total, n, block_size, ROWS=triton.next_power_of_2(n))
+        _later_kernel[(1,)](seq_lens, drop, out_seq_lens, self.total, n, block_size, CHUNK=CHUNK)
         return out_seq_lens

@@ -196,19 +196,28 @@ KERNELS_ENV = "WMTP_WINDOW_KERNELS"
 
 
 def _buffers(state: _State, table: torch.Tensor) -> Any:
-    """The proposer's window-kernel buffers where its block table is on a GPU and Triton is there; None otherwise.
-    Made once: from then on the kernels keep the count of dropped blocks on the device."""
+    """The proposer's window-kernel buffers where its block table is on a GPU and Triton is there; None otherwise."""
     if state.buffers is None:
-        state.buffers = False
-        if table.is_cuda and os.environ.get(KERNELS_ENV, "triton") != "torch":
-            try:
-                from wmtp.plugin import fused
-            except ImportError:
-                log.warning("wmtp: Triton does not import; the window is set with PyTorch operations")
-            else:
-                state.buffers = fused.CycleBuffers(table.device)
-                state.stats.count_on_device(state.buffers.total)
+        _make_buffers(state, table.device)
     return state.buffers or None
+
+
+def _make_buffers(state: _State, device: torch.device) -> None:
+    """Once a proposer: the window kernels' buffers on a GPU, their kernels compiled, and from then on the count of
+    dropped blocks kept on the device by them; False where the PyTorch path windows (a CPU, no Triton, or
+    ``WMTP_WINDOW_KERNELS=torch``)."""
+    state.buffers = False
+    if device.type != "cuda" or os.environ.get(KERNELS_ENV, "triton") == "torch":
+        return
+    try:
+        from wmtp.plugin import fused
+    except ImportError:
+        log.warning("wmtp: Triton does not import; the window is set with PyTorch operations")
+        return
+    buffers = fused.CycleBuffers(device)
+    buffers.warm_up()
+    state.buffers = buffers
+    state.stats.count_on_device(buffers.total)
 
 
 def _refuse(what: str) -> HookPointError:
@@ -243,7 +252,12 @@ def _wrap_init(original, problem: str | None):
             raise _refuse(problem)
         _check_instance(self)
         stats = wstats.DraftStats(config.sink, config.window, hp.vllm_version())
-        setattr(self, STATE_ATTR, _State(config, stats, int(getattr(self, "num_speculative_tokens", 1) or 1)))
+        state = _State(config, stats, int(getattr(self, "num_speculative_tokens", 1) or 1))
+        setattr(self, STATE_ATTR, state)
+        device = getattr(self, "device", None)
+        if isinstance(device, torch.device):
+            # Its kernels compile now, at the server's start, not in the first request that outgrows S + W.
+            _make_buffers(state, device)
         testing.install(self)
         if config.ring:
             from wmtp.plugin import ring  # imports vLLM's KV cache manager: only when asked for

@@ -274,17 +274,20 @@ def test_the_code_that_computes_the_tables_and_the_report_is_their_input(tmp_pat
         assert f"src/wmtp/{source}" in inputs[rule], (rule, inputs.get(rule))
 
 
-def test_the_report_reads_the_step_files_the_study_names(tmp_path):
-    """A real engine's step files reach the report as the study names them (replica.engine_steps), never as a glob
-    of a folder: a study that names none hands the report none."""
+def test_the_report_reads_the_step_files_and_trace_tables_the_study_names(tmp_path):
+    """A real engine's step files and a profiling study's trace tables reach the report as the study names them
+    (replica.engine_steps, replica.traces), never as a glob of a folder: a study that names none hands the report
+    none."""
     out = run("-n", "-p", *scratch_dirs(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     report = next(line for line in out.stdout.splitlines() if " report --study " in line)
-    assert report.endswith("--engine-steps measurements/h200/vllm_qwen3.6-35b-a3b.csv")
+    steps = "measurements/h200/vllm_qwen3.6-35b-a3b.csv measurements/h200/vllm-tuned/vllm_qwen3.6-35b-a3b.csv"
+    assert report.endswith(f"--engine-steps {steps} --traces measurements/h200/vllm-profile/traces.csv")
     study = tmp_path / "no-steps.yaml"
     text = (REPO / "config" / "config.yaml").read_text()
-    study.write_text(text.replace("  engine_steps: [measurements/h200/vllm_qwen3.6-35b-a3b.csv]\n", ""))
+    text = re.sub(r"  engine_steps: \[.*\]\n", "", text)
+    study.write_text(re.sub(r"  traces: \[.*\]\n", "", text))
     out = run("-n", "-p", "--configfile", str(study), *scratch_dirs(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     report = next(line for line in out.stdout.splitlines() if " report --study " in line)
-    assert report.rstrip().endswith("--engine-steps") and "vllm_" not in report
+    assert re.search(r"--engine-steps\s+--traces\s*$", report) and "vllm_" not in report and "traces.csv" not in report

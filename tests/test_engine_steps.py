@@ -117,3 +117,29 @@ def test_a_replica_table_from_before_the_batch_sweep_is_read_as_one_request(tmp_
     )  # fmt: skip
     steps = load_engine_steps([_write(tmp_path, rows)])
     assert engine_step_section(steps, replica).frame["replica"].tolist() == [1.04]
+
+
+def test_the_windows_saving_splits_into_bytes_and_what_a_tuned_engine_takes_away():
+    from wmtp.report.engine_steps import window_gain_split
+
+    def row(arm: str, step: float, floor: float, attention: str, servers: str) -> dict:
+        window = {"S": 16, "W": 4096, "window_anchor": "cycle"} if arm == "wmtp" else {}
+        return {"model": "m", "engine_version": "0.24.0", "attention_config": attention, "arm": arm, "k": 3,
+                "context": 1_048_576, "batch": 1, "step_ms": step, "floor_ms": floor,
+                "servers": len(servers.split(";")), "server_step_ms": servers, **window}  # fmt: skip
+
+    steps = pd.DataFrame(
+        [
+            row("mtp", 16.8, 10.0, "", "16.7;16.9"),
+            row("wmtp", 14.75, 8.5, "", "14.75"),
+            row("mtp", 14.3, 10.0, "split=128", "14.3"),
+            row("wmtp", 12.8, 8.5, "split=128", "12.8"),
+        ]
+    )
+    (split,) = window_gain_split(steps).frame.to_dict("records")
+    assert split["saved, default (ms)"] == 2.05 and split["saved, tuned (ms)"] == 1.5
+    assert split["by bytes (ms)"] == 1.5 and split["taken by the tuned options (ms)"] == 0.55
+    assert split["tuned less bytes (ms)"] == 0.0 and split["default servers' range, mtp + wmtp (ms)"] == 0.2
+    assert "attention split=128" in split["tuned engine"]
+    # Without a tuned engine beside the default one there is nothing to split.
+    assert not window_gain_split(steps[steps["attention_config"] == ""]).available

@@ -498,3 +498,64 @@ def growth_sentence(frame: pd.DataFrame) -> str:
         f"{across} of them taken across servers (which differ by more than a context's extra bytes take) and "
         f"{len(below) - across} within a server, where the floor is a real test."
     )
+
+
+def window_gain_split(steps: pd.DataFrame | None) -> Section:
+    """What the window saves a cycle (native MTP's cycle less the windowed draft's, ms) in the engine as it ships and
+    in each tuned build of it (other attention options), beside what the window's bytes allow (the difference of the
+    two cycles' byte floors): per (model, context, k, batch, window anchor) where both engines measured both arms.
+    The default engine's saving less a tuned one's is what those options took away (in vLLM 0.24 on an H200,
+    FlashAttention's split cap); a tuned saving away from the bytes is what the kernels and the host add or take."""
+    need = {"arm", "k", "context", "batch", "step_ms", "floor_ms", "engine_version", "model"}
+    if steps is None or steps.empty or not need <= set(steps.columns):
+        return Section()
+    steps = _with_attention(steps)
+    rows = []
+    for (model, version, context, batch), group in steps.groupby(["model", "engine_version", "context", "batch"]):
+        options = sorted(set(group["attention_config"]))
+        if "" not in options or len(options) < 2:
+            continue
+        for k in sorted(set(group.loc[group["arm"] == "mtp", "k"])):
+            saved = {}
+            for attention in options:
+                engine = group[group["attention_config"] == attention]
+                mtp = engine[(engine["arm"] == "mtp") & (engine["k"] == k)]
+                wmtp, _ = _windowed(engine, int(k), int(context), "cycle")
+                if len(mtp) and wmtp is not None:
+                    saved[attention] = (mtp.iloc[0], wmtp)
+            if "" not in saved:
+                continue
+            default_mtp, default_wmtp = saved[""]
+            by_bytes = float(default_mtp["floor_ms"]) - float(default_wmtp["floor_ms"])
+            default_saved = float(default_mtp["step_ms"]) - float(default_wmtp["step_ms"])
+            for attention, (mtp, wmtp) in saved.items():
+                if not attention:
+                    continue
+                tuned_saved = float(mtp["step_ms"]) - float(wmtp["step_ms"])
+                rows.append(
+                    {
+                        "model": model,
+                        "context": context_label(context),
+                        "k": int(k),
+                        "batch": int(batch),
+                        "tuned engine": engine_label(version, attention),
+                        "saved, default (ms)": round(default_saved, 3),
+                        "saved, tuned (ms)": round(tuned_saved, 3),
+                        "by bytes (ms)": round(by_bytes, 3),
+                        "taken by the tuned options (ms)": round(default_saved - tuned_saved, 3),
+                        "tuned less bytes (ms)": round(tuned_saved - by_bytes, 3),
+                        # Where the default engine's servers of an arm spread more than the split, it is not resolved.
+                        "default servers' range, mtp + wmtp (ms)": round(
+                            _server_range(default_mtp) + _server_range(default_wmtp), 3
+                        ),
+                        "servers default mtp/wmtp": f"{int(default_mtp['servers'])}/{int(default_wmtp['servers'])}",
+                        "servers tuned mtp/wmtp": f"{int(mtp['servers'])}/{int(wmtp['servers'])}",
+                    }
+                )
+    return Section(pd.DataFrame(rows))
+
+
+def _server_range(row: pd.Series) -> float:
+    """The highest server's median cycle less the lowest's (0 for one server)."""
+    medians = [float(v) for v in str(row.get("server_step_ms", "")).split(";") if v.strip()]
+    return max(medians) - min(medians) if medians else math.nan

@@ -36,6 +36,7 @@ from wmtp.report.engine_steps import (
     engine_step_section,
     growth_check_section,
     load_engine_steps,
+    window_gain_split,
     windows_sentence,
 )
 from wmtp.report.headline import paper_marks
@@ -592,6 +593,8 @@ class ReportData:
     paper_steps: Section
     #: Where a real engine's traced cycle goes: each component's device time beside its byte floor, per arm.
     cycle_profile: Section
+    #: The window's saving in the engine as it ships and tuned, beside what its bytes allow.
+    engine_gain_split: Section
 
 
 def load_report_data(
@@ -660,4 +663,5 @@ def load_report_data(
         engine_windows=windows_sentence(steps, replica_table),
         paper_steps=paper_steps_section(published, steps),
         cycle_profile=cycle_profile_section(load_traces(trace_paths)),
+        engine_gain_split=window_gain_split(steps),
     )

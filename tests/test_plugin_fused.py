@@ -78,6 +78,7 @@ CASES = textwrap.dedent(
             outs.append(cycle)
         assert outs[0] == outs[1], (case, outs)
         torch_stats, kernel_stats = (s.stats.snapshot(wait=True) for s in states)
+        assert (torch_stats["window_kernels"], kernel_stats["window_kernels"]) == ("torch", "triton")
         for key in ("windowed_forwards", "anchored_forwards", "blocks_skipped"):
             assert torch_stats[key] == kernel_stats[key], (case, key, torch_stats[key], kernel_stats[key])
         # The first forward against the integer formulas, row by row.

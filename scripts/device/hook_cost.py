@@ -238,6 +238,8 @@ def main() -> int:
     from wmtp.plugin import window as win
 
     device = torch.device(args.device)
+    # The plugin's Triton kernels for the cycles it times as the plugin runs them (on a GPU; the PyTorch path beside).
+    os.environ.setdefault(hook.KERNELS_ENV, "triton")
     config = win.WindowConfig(SINK, WINDOW)
     stats_dir = Path(tempfile.mkdtemp())
     os.environ[wstats.ENV] = str(stats_dir)

@@ -191,7 +191,8 @@ def window_forward(
     return windowed, None if cycle is None else cycle.dropped, False
 
 
-# Set to "torch" to window with PyTorch operations on a GPU too (about a dozen launches a cycle instead of k).
+# "triton": on a GPU, window with the plugin's own Triton kernels (wmtp.plugin.fused: k launches a cycle instead of
+# about a dozen); anything else, or unset, the PyTorch operations the GPU proofs have passed on.
 KERNELS_ENV = "WMTP_WINDOW_KERNELS"
 
 
@@ -205,9 +206,9 @@ def _buffers(state: _State, table: torch.Tensor) -> Any:
 def _make_buffers(state: _State, device: torch.device) -> None:
     """Once a proposer: the window kernels' buffers on a GPU, their kernels compiled, and from then on the count of
     dropped blocks kept on the device by them; False where the PyTorch path windows (a CPU, no Triton, or
-    ``WMTP_WINDOW_KERNELS=torch``)."""
+    ``WMTP_WINDOW_KERNELS`` other than "triton")."""
     state.buffers = False
-    if device.type != "cuda" or os.environ.get(KERNELS_ENV, "triton") == "torch":
+    if device.type != "cuda" or os.environ.get(KERNELS_ENV, "torch") != "triton":
         return
     try:
         from wmtp.plugin import fused
@@ -218,6 +219,7 @@ def _make_buffers(state: _State, device: torch.device) -> None:
     buffers.warm_up()
     state.buffers = buffers
     state.stats.count_on_device(buffers.total)
+    log.info("wmtp: the window is set by the plugin's Triton kernels, one launch a draft forward")
 
 
 def _refuse(what: str) -> HookPointError:

@@ -181,6 +181,8 @@ class DraftStats:
             "windowed_forwards": self.windowed_forwards,
             "anchored_forwards": self.anchored_forwards,
             "window_anchor": WINDOW_ANCHOR,
+            # What set the window on the device: the plugin's Triton kernels, or PyTorch operations.
+            "window_kernels": "triton" if self._on_device else "torch",
             "blocks_skipped": self._skipped_host,
             "skipped_as_of_decode_context": self._skipped_as_of,
             "longest_context": self.longest_context,
@@ -246,6 +248,7 @@ def summarize(found: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "windowed_forwards": sum(s["windowed_forwards"] for s in found),
         "anchored_forwards": sum(s.get("anchored_forwards", 0) for s in found),
         "window_anchor": next((s["window_anchor"] for s in found if s.get("window_anchor")), None),
+        "window_kernels": ",".join(sorted({s["window_kernels"] for s in found if s.get("window_kernels")})) or None,
         "blocks_skipped": sum(s["blocks_skipped"] for s in found),
         "longest_context": max((s["longest_context"] for s in found), default=0),
         "longest_decode_context": max((s.get("longest_decode_context", 0) for s in found), default=0),

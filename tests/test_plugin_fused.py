@@ -43,7 +43,7 @@ CASES = textwrap.dedent(
 
     rng = random.Random(7)
     checked = 0
-    for case in range(40):
+    for case in range(60):
         block = rng.choice([16, 96, 560])
         sink, window, k = rng.choice([0, 16, 64]), rng.choice([256, 1000, 4096]), rng.choice([1, 3, 6])
         n = rng.choice([1, 2, 3, 4, 70])  # 70: more rows than one chunk of the later kernel
@@ -62,7 +62,11 @@ CASES = textwrap.dedent(
             else:
                 state.buffers = False
             states.append(state)
-        first = metadata(lens, [k + 1] * n, table)
+        # A decode cycle; one whose later forwards get another block table (each windows on its own); a prefill's
+        # chunk of more queries (its forwards never keep a window).
+        mode = rng.choice(["decode", "new table", "chunk"])
+        queries = rng.randint(k + 2, 40) if mode == "chunk" else k + 1
+        first = metadata(lens, [queries] * n, table)
         outs = []
         for state in states:
             cm = dataclasses.replace(first, seq_lens=first.seq_lens.clone())
@@ -71,6 +75,8 @@ CASES = textwrap.dedent(
                 if step:
                     cm = dataclasses.replace(cm, query_start_loc=torch.arange(n + 1, dtype=torch.int32),
                                              max_query_len=1, seq_lens=cm.seq_lens + 1, max_seq_len=cm.max_seq_len + 1)
+                    if mode == "new table":
+                        cm = dataclasses.replace(cm, block_table_tensor=cm.block_table_tensor.clone())
                 windowed, dropped, reused = hook.window_forward(state, cm, config, block, step)
                 state.stats.record(sink, window, block, cm.max_seq_len, cm.max_query_len, dropped, reused=reused)
                 cycle.append((windowed.seq_lens.tolist(), windowed.block_table_tensor[:n].tolist(),
@@ -79,14 +85,18 @@ CASES = textwrap.dedent(
         assert outs[0] == outs[1], (case, outs)
         torch_stats, kernel_stats = (s.stats.snapshot(wait=True) for s in states)
         assert (torch_stats["window_kernels"], kernel_stats["window_kernels"]) == ("torch", "triton")
+        # On a GPU the counters read the total without waiting, by a copy into a 0-d pinned host tensor.
+        host = torch.zeros((), dtype=torch.int64)
+        host.copy_(states[1].buffers.total)
+        assert int(host) == kernel_stats["blocks_skipped"]
         for key in ("windowed_forwards", "anchored_forwards", "blocks_skipped"):
             assert torch_stats[key] == kernel_stats[key], (case, key, torch_stats[key], kernel_stats[key])
         # The first forward against the integer formulas, row by row.
         lens_out, table_out, _, _ = outs[1][0]
         if win.needs_window(max(lens), sink, window):
             for row, length in enumerate(lens):
-                assert lens_out[row] == win.windowed_seq_len(length, k + 1, sink, window, block)
-                kept = [int(table[row][j]) for j in win.kept_blocks(length, k + 1, sink, window, block)]
+                assert lens_out[row] == win.windowed_seq_len(length, queries, sink, window, block)
+                kept = [int(table[row][j]) for j in win.kept_blocks(length, queries, sink, window, block)]
                 assert table_out[row][: len(kept)] == kept
                 checked += 1
     assert checked > 20, checked

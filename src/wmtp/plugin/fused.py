@@ -64,17 +64,18 @@ def _later_kernel(seq_lens, drop, out_seq_lens, total, n_seqs, block_size, CHUNK
 
 class CycleBuffers:
     """One proposer's outputs of the window kernels, allocated once per shape and written in place every cycle; the
-    running total of dropped blocks over its windowed forwards (``total``, one int64 on the device)."""
+    running total of dropped blocks over its windowed forwards (``total``, a 0-d int64 on the device, as the counters'
+    pinned host copy is)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.total = torch.zeros(1, dtype=torch.int64, device=device)
+        self.total = torch.zeros((), dtype=torch.int64, device=device)
         self._buffers: dict[tuple, torch.Tensor] = {}
 
     def warm_up(self, seq_dtype: torch.dtype = torch.int32, table_dtype: torch.dtype = torch.int32) -> None:
         """Compile both kernels on a one-row batch of the engine's dtypes, counting into a scratch total."""
         kept = self.total
-        self.total = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.total = torch.zeros((), dtype=torch.int64, device=self.device)
         try:
             seq_lens = torch.full((1,), 8, dtype=seq_dtype, device=self.device)
             query_start = torch.tensor([0, 1], dtype=seq_dtype, device=self.device)

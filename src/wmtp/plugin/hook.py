@@ -187,6 +187,8 @@ def window_forward(
         and cycle.config == config
     ):
         return _window_later(cm, cycle, draft_index), cycle.dropped, True
+    # A forward that windows on its own ends its cycle's window: the kernels' buffers it held are written again.
+    state.cycle = None
     windowed, cycle = _window_first(cm, config, block_size, None, buffers)
     return windowed, None if cycle is None else cycle.dropped, False
 

@@ -137,3 +137,23 @@ def test_each_way_the_plugin_set_its_window_gets_its_own_ratio_to_native_mtp():
     table = engine_steps.engine_step_section(steps, None).frame
     ratios = dict(zip(table["wmtp window set per"], table["engine mtp / wmtp"], strict=True))
     assert ratios == pytest.approx({"forward": 0.9, "cycle": 1.2})
+
+
+def test_the_plugins_own_kernels_are_another_plugin_never_pooled_with_the_pytorch_path():
+    from wmtp.report.headline import _plugin_text
+
+    steps = pd.DataFrame(
+        [
+            _row("none", 131072, 5.3, 5.3, 0.0, n=3, servers=1),
+            _row("mtp", 131072, 10.8, 10.8, 0.0, n=3, servers=1, server_step_ms="10.8"),
+            _row("wmtp", 131072, 9.0, 9.0, 0.0, n=3, servers=1, server_step_ms="9.0", window_anchor="cycle",
+                 window_kernels="torch"),
+            _row("wmtp", 131072, 8.0, 8.0, 0.0, n=3, servers=1, server_step_ms="8.0", window_anchor="cycle",
+                 window_kernels="triton"),
+        ]
+    )  # fmt: skip
+    table = engine_steps.engine_step_section(steps, None).frame
+    ratios = dict(zip(table["wmtp window set per"], table["engine mtp / wmtp"], strict=True))
+    assert ratios == pytest.approx({"cycle": 1.2, "cycle, Triton kernels": 1.35})
+    assert _plugin_text("cycle, Triton kernels") == "once a decode cycle, by the plugin's Triton kernels"
+    assert _plugin_text("cycle") == "once a decode cycle"

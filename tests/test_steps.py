@@ -221,6 +221,22 @@ def test_plugins_that_set_the_window_per_forward_and_per_cycle_are_two_rows():
         (a, anchor): (n, step) for a, anchor, n, step in table[["arm", "window_anchor", "servers", "step_ms"]].values
     }
     assert rows == {("mtp", ""): (1, 20.0), ("wmtp", "cycle"): (1, 10.0), ("wmtp", "forward"): (2, 20.0)}
+    # Counters from before the plugin said which kernels set the window: PyTorch's, the only path there was.
+    assert set(table.loc[table["arm"] == "wmtp", "window_kernels"]) == {"torch"}
+
+
+def test_the_plugins_own_kernels_make_a_row_of_their_own():
+    requests = pd.DataFrame(
+        [
+            _request("wmtp-torch", "wmtp", 3, 131072, 2.56, cell_window_anchor="cycle", cell_window_kernels="torch"),
+            _request("wmtp-triton", "wmtp", 3, 131072, 1.28, cell_window_anchor="cycle", cell_window_kernels="triton"),
+        ]
+    )
+    rungs = pd.DataFrame(
+        [{"cell_id": c, "workload": "code", "rung": 131072, "tok_per_verify": 1.0} for c in requests["cell_id"]]
+    )
+    table = step_table(requests, rungs, engine_version="0.24.0")
+    assert dict(zip(table["window_kernels"], table["step_ms"], strict=True)) == {"torch": 20.0, "triton": 10.0}
 
 
 def test_servers_of_another_attention_setting_are_rows_of_their_own_and_grow_among_themselves():

@@ -31,6 +31,7 @@ COLUMNS = [
     "S",
     "W",
     "window_anchor",
+    "window_kernels",
     "context",
     "batch",
     "step_ms",
@@ -68,7 +69,7 @@ COLUMNS = [
     "wmtp_revision",
     "plugin_sha256",
 ]
-SHAPE = ["attention_config", "arm", "k", "S", "W", "window_anchor", "context", "batch"]
+SHAPE = ["attention_config", "arm", "k", "S", "W", "window_anchor", "window_kernels", "context", "batch"]
 _RUNG = ["cell_id", "workload", "rung"]
 
 
@@ -152,6 +153,8 @@ def _server_rows(kept: pd.DataFrame, rungs: pd.DataFrame, engine_version: str) -
                 "W": int(first["window"]) if windowed else math.nan,
                 # Where the plugin set a draft forward's window start: two plugins that differ here are two arms.
                 "window_anchor": (_distinct(group, "cell_window_anchor") or "forward") if windowed else "",
+                # What set it on the device: the plugin's Triton kernels or PyTorch operations, two plugins again.
+                "window_kernels": (_distinct(group, "cell_window_kernels") or "torch") if windowed else "",
                 "context": int(first["rung"]),
                 "batch": int(first["concurrency"]),
                 # The engine's attention options (vLLM's --attention-config): another setting is another engine.

@@ -54,6 +54,9 @@ EFFECTIVE_WINDOW_COLUMNS = {
 # Where the plugin set each draft forward's window start (wmtp.plugin.stats.WINDOW_ANCHOR): "cycle" where it
 # said so, "forward" for a plugin that reported a window but not this (it set one per forward), "" without one.
 WINDOW_ANCHOR_COLUMN = "cell_window_anchor"
+# What set the window on the device (wmtp.plugin.stats: "triton", the plugin's kernels, or "torch"); "torch" for a
+# plugin that reported a window but not this, "" without one.
+WINDOW_KERNELS_COLUMN = "cell_window_kernels"
 
 
 def predicted_ring_reclaim(manifest: dict) -> float:
@@ -78,6 +81,7 @@ def effective_window(manifest: dict) -> dict[str, float | str]:
     values = {column: reported.get(key) for column, key in EFFECTIVE_WINDOW_COLUMNS.items()}
     out: dict[str, float | str] = {column: math.nan if value is None else value for column, value in values.items()}
     out[WINDOW_ANCHOR_COLUMN] = str(reported.get("window_anchor") or ("forward" if reported else ""))
+    out[WINDOW_KERNELS_COLUMN] = str(reported.get("window_kernels") or ("torch" if reported else ""))
     return out
 
 

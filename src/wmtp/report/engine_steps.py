@@ -96,22 +96,36 @@ def ceiling_ratio(model: str, k: int) -> float:
     return limit_ratio(path, k) if path else math.nan
 
 
+# A windowed row's plugin, as the report tells plugins apart: where it set the window ("cycle", "forward"), and
+# ", Triton kernels" where the plugin's own kernels set it on the device.
+TRITON_KERNELS = ", Triton kernels"
+
+
+def _plugin_keys(rows: pd.DataFrame) -> pd.Series:
+    """Each windowed row's plugin key (a step file from before the plugin kept a cycle's window: "forward")."""
+    anchors = rows["window_anchor"].fillna("forward").astype(str) if "window_anchor" in rows.columns else None
+    if anchors is None:
+        return pd.Series("forward", index=rows.index)
+    if "window_kernels" not in rows.columns:
+        return anchors
+    kernels = rows["window_kernels"].fillna("").astype(str)
+    return anchors + kernels.map(lambda v: TRITON_KERNELS if v == "triton" else "")
+
+
 def _anchors(group: pd.DataFrame, k: int) -> list[str]:
-    """Where the plugins that measured wmtp at that k set a draft forward's window ("forward", "cycle")."""
+    """The plugins that measured wmtp at that k: where each set a draft forward's window ("cycle", "forward"), and by
+    which kernels (``_plugin_keys``)."""
     rows = group[(group["arm"] == "wmtp") & (group["k"] == k)]
-    if "window_anchor" not in rows.columns:  # a step file from before the plugin kept a cycle's window
-        return ["forward"]
-    return sorted(set(rows["window_anchor"].fillna("forward").astype(str)), reverse=True)
+    return sorted(set(_plugin_keys(rows)), key=lambda key: (not key.startswith("cycle"), key))
 
 
 def _windowed(
     group: pd.DataFrame, k: int, context: int, anchor: str = "forward"
 ) -> tuple[pd.Series | None, pd.Series | None]:
     """The windowed row at that k whose window acts at this context, and the control row whose S + W covers it, of
-    the plugin that sets the window per ``anchor``."""
+    the plugin ``anchor`` names (``_plugin_keys``)."""
     rows = group[(group["arm"] == "wmtp") & (group["k"] == k)]
-    if "window_anchor" in rows.columns:
-        rows = rows[rows["window_anchor"].fillna("forward").astype(str) == anchor]
+    rows = rows[_plugin_keys(rows) == anchor]
     if "W" not in rows.columns:  # a step file from before windows were recorded: every row windowed
         return (rows.iloc[0] if len(rows) else None), None
     sink = pd.to_numeric(rows["S"], errors="coerce").fillna(0) if "S" in rows.columns else 0
@@ -361,7 +375,10 @@ def _series(row: pd.Series) -> str:
     that differ there are never pooled."""
     label = series_label({"arm": row.get("arm"), "k": row.get("k"), "sink": row.get("S"), "window": row.get("W")})
     anchor = row.get("window_anchor")
-    return f"{label}, window per {anchor}" if isinstance(anchor, str) and anchor else label
+    if not (isinstance(anchor, str) and anchor):
+        return label
+    kernels = TRITON_KERNELS if row.get("window_kernels") == "triton" else ""
+    return f"{label}, window per {anchor}{kernels}"
 
 
 def _numeric(frame: pd.DataFrame, column: str) -> pd.Series:

@@ -9,7 +9,7 @@ import pandas as pd
 
 from wmtp.config import PAPER_DRAFT_TOKENS, PAPER_SINK, PAPER_WINDOW
 from wmtp.report.compare import PAPER_DRAFT_FORWARDS
-from wmtp.report.engine_steps import ceiling_ratio, cell_number
+from wmtp.report.engine_steps import TRITON_KERNELS, ceiling_ratio, cell_number
 from wmtp.report.labels import fmt_interval
 
 MAX_SENTENCES = 6
@@ -17,6 +17,12 @@ MAX_SENTENCES = 6
 _GROUP = ["engine", "model", "k", "batch"]
 # Where the plugin set the windowed draft's window (the step file's window_anchor), as a sentence says it.
 _PLUGINS = {"cycle": "once a decode cycle", "forward": "for each draft forward"}
+
+
+def _plugin_text(plugin: str) -> str:
+    """'once a decode cycle', and ', by the plugin's Triton kernels' where they set it (engine_steps.TRITON_KERNELS)."""
+    anchor, triton, _ = str(plugin).partition(TRITON_KERNELS)
+    return _PLUGINS.get(anchor, anchor) + (", by the plugin's Triton kernels" if triton else "")
 
 
 def _ratio(value: Any) -> str:
@@ -125,9 +131,8 @@ def headline_sentences(engine: pd.DataFrame | None, claim: dict[str, float] | No
             clauses = []
             for plugin, rows in sorted(plugins, key=lambda item: str(item[0]) != "cycle"):
                 measured = "; ".join(_measured(r) for _, r in rows.sort_values("tokens").iterrows())
-                clauses.append(
-                    f"with the draft's window set {_PLUGINS.get(plugin, plugin)}, {measured}" if plugin else measured
-                )
+                said = f"with the draft's window set {_plugin_text(plugin)}, {measured}" if plugin else measured
+                clauses.append(said)
             shape = f"{label}{f' for {model}' if several_models else ''} at k {int(k)} and batch {int(batch)}, "
             engines.append(shape + "; and ".join(clauses))
         out.append(

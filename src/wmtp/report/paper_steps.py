@@ -58,6 +58,8 @@ def _engine_step(steps: pd.DataFrame | None, model: str, k: int, context: int, a
         rows = rows[(rows["S"] == PAPER_SINK) & (rows["W"] == PAPER_WINDOW)]
         if "window_anchor" in rows.columns:
             rows = rows[rows["window_anchor"].fillna("forward") == "cycle"]
+        if "window_kernels" in rows.columns:  # the plugin the GPU proofs passed on
+            rows = rows[rows["window_kernels"].fillna("") != "triton"]
     return rows.iloc[0] if len(rows) else None
 
 

@@ -124,3 +124,17 @@ def test_a_step_without_a_graph_launch_is_split_by_kernel_name():
         _launched("fused_moe_kernel", 15, 5, 2),
     ]
     assert cycle_breakdown(events)["components"] == {"attention": 5.0, "moe": 5.0}
+
+
+def test_a_failing_trace_table_says_why_in_its_rules_log(tmp_path):
+    """Every rule's log is where its job says why it failed: an unexpected error's traceback lands there too."""
+    from wmtp.cli import main
+
+    cell = tmp_path / "cell"
+    cell.mkdir()  # a cell folder without its requests
+    log_file = tmp_path / "traces.log"
+    with pytest.raises(FileNotFoundError):
+        main(["--log", str(log_file), "trace-table", str(cell), "--out", str(tmp_path / "traces.csv")])
+    text = log_file.read_text()
+    assert "wmtp trace-table failed" in text and "Traceback" in text and "requests.parquet" in text
+    assert not (tmp_path / "traces.csv").exists()

@@ -12,9 +12,14 @@ from wmtp import layout
 from wmtp.config import Cell, ConfigError, EngineSpec, Study, load_study, study_from_dict, study_warnings
 from wmtp.layout import REPO_ROOT
 
+# A log record that goes to the log file alone (an uncaught error, whose traceback Python prints on the screen).
+FILE_ONLY = "wmtp_file_only"
+
 
 def _setup_logging(log_file: Path | None) -> None:
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    screen = logging.StreamHandler(sys.stderr)
+    screen.addFilter(lambda record: not getattr(record, FILE_ONLY, False))
+    handlers: list[logging.Handler] = [screen]
     if log_file:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
@@ -418,3 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CellRefused) as err:
         logging.getLogger("wmtp").error("%s", err)
         return 2
+    except Exception:
+        # Into the rule's log too: the log is where a failed job says why. The screen gets Python's own traceback.
+        logging.getLogger("wmtp").exception("wmtp %s failed", args.command, extra={FILE_ONLY: True})
+        raise

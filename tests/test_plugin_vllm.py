@@ -56,6 +56,7 @@ WINDOWS = ((16, 128), (0, 64), (4, 8), (130, 170))
 WIDE_OPEN = (0, 1_000_000)  # W beyond every context: the wrapper hands the metadata through (= mtp)
 POISON_LENGTH = 1100
 EPS = 0.05
+PENALTY = 1.15  # the Windowed-MTP artifact's repetition penalty
 SERVER_TIMEOUT_S = 420
 ENGINE_ARGS = [
     "--dtype",
@@ -468,7 +469,9 @@ from vllm import LLM, SamplingParams
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
 test_dir = os.environ["WMTP_PLUGIN_TEST_DIR"]
-params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=2)
+def params(penalty):
+    return SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=2,
+                          repetition_penalty=penalty)
 results, timings = [], {}
 NAMES = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
          "vllm:spec_decode_num_accepted_tokens": "accepted"}
@@ -522,8 +525,8 @@ for engine in spec["engines"]:
         control(request["tag"], request.get("window"), request.get("poison"), request.get("region"),
                 request.get("skip_window", False))
         before = counters(llm)
-        out = llm.generate([{"prompt_token_ids": spec["prompts"][str(request["length"])]}], params,
-                           use_tqdm=False)[0].outputs[0]
+        out = llm.generate([{"prompt_token_ids": spec["prompts"][str(request["length"])]}],
+                           params(request.get("repetition_penalty", 1.0)), use_tqdm=False)[0].outputs[0]
         after = counters(llm)
         gaps = []
         for top in out.logprobs:
@@ -543,23 +546,26 @@ json.dump({"results": results, "timings": timings}, open(sys.argv[2], "w"))
 
 def _engines(random_model: Path, zero_model: Path) -> list[dict]:
     every = [{"length": n} for n in PROMPT_LENGTHS]
+    # The paper's protocol penalises repetition in the draft and the target alike.
+    penalised = [{"length": n, "tag": f"penalty {n}", "repetition_penalty": PENALTY} for n in PROMPT_LENGTHS[1:]]
     engines = [
         {
             "name": "none",
             "arm": "none",
             "model": str(random_model),
-            "requests": [{**r, "tag": f"none {r['length']}"} for r in every],
+            "requests": [{**r, "tag": f"none {r['length']}"} for r in every] + penalised,
         },
         {
             "name": "mtp",
             "arm": "mtp",
             "model": str(random_model),
-            "requests": [{**r, "tag": f"mtp {r['length']}"} for r in every],
+            "requests": [{**r, "tag": f"mtp {r['length']}"} for r in every] + penalised,
         },
     ]
     for window in WINDOWS:
         requests = [{**r, "tag": f"lossless {window} {r['length']}"} for r in every]
         if window == WINDOWS[0]:
+            requests += penalised
             # Read set: the same request clean and poisoned outside sink ∪ window of the design
             # point, read through that window and through a window wider than the context (= mtp).
             for read in (window, WIDE_OPEN):
@@ -771,6 +777,21 @@ def test_wmtp_equals_none_and_mtp(engines, window):
         mine = out[(f"wmtp {window}", f"lossless {window} {n}")]
         _assert_equal_up_to_numerics(out[("none", f"none {n}")], mine, f"wmtp {window} vs none at {n}")
         _assert_equal_up_to_numerics(out[("mtp", f"mtp {n}")], mine, f"wmtp {window} vs mtp at {n}")
+
+
+@pytest.mark.engine
+def test_wmtp_equals_mtp_and_none_under_a_repetition_penalty(engines):
+    """With the paper's repetition penalty on every request the window still leaves the output as it was."""
+    out = engines["outputs"]
+    changed = 0
+    for n in PROMPT_LENGTHS[1:]:
+        none, mtp = out[("none", f"penalty {n}")], out[("mtp", f"penalty {n}")]
+        mine = out[(f"wmtp {WINDOWS[0]}", f"penalty {n}")]
+        changed += none["ids"] != out[("none", f"none {n}")]["ids"]
+        _assert_equal_up_to_numerics(none, mtp, f"mtp vs none at {n}, penalty {PENALTY}")
+        _assert_equal_up_to_numerics(none, mine, f"wmtp {WINDOWS[0]} vs none at {n}, penalty {PENALTY}")
+        _assert_equal_up_to_numerics(mtp, mine, f"wmtp {WINDOWS[0]} vs mtp at {n}, penalty {PENALTY}")
+    assert changed, f"a penalty of {PENALTY} changed no output: the engine did not apply it"
 
 
 @pytest.mark.engine

@@ -17,7 +17,8 @@ then wmtp (S = 16, W = 256) with the plugin's test instrument (wmtp.plugin.testi
 - the hook is on the path that runs: ``check_hook_points(deep=True)`` patched the proposer, and the plugin
   counted windowed draft forwards (> 0) and skipped KV blocks (> 0);
 - lossless: wmtp's greedy tokens are mtp's on code and copy-task prompts of 4,096 and 12,288 tokens, up to
-  near ties (the first divergence where mtp's top-2 log-probability gap is below 0.25);
+  near ties (the first divergence where mtp's top-2 log-probability gap is below 0.25), with no penalty and with
+  the Windowed-MTP artifact's repetition penalty of 1.15 on every request;
 - the read set, both ways, with the draft layer's KV overwritten through the CUDA attention backend's own
   cache writer (``do_kv_cache_update``): poisoned outside sink ∪ window, the windowed draft proposes exactly
   what it proposes clean, and a draft that reads everything (a window wider than the context) does not;
@@ -46,6 +47,7 @@ READ_SET_PROMPT = "code 12288"
 OUTPUT_TOKENS = 48
 MAX_MODEL_LEN = 16640
 NEAR_TIE = 0.25  # a few bf16 ulps of the trained tiny model's logits (tests/test_train.py)
+PENALTY = 1.15  # the Windowed-MTP artifact's repetition penalty
 
 
 def make_prompts(out: Path) -> None:
@@ -105,12 +107,14 @@ def _engine(arm: str):
     )
 
 
-def _generate(llm, ids: list[int]) -> dict:
+def _generate(llm, ids: list[int], penalty: float = 1.0) -> dict:
     from vllm import SamplingParams
 
     from wmtp.measure.admission import top2_gaps
 
-    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True, logprobs=2)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True, logprobs=2, repetition_penalty=penalty
+    )
     before = _counters(llm)
     out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
     after = _counters(llm)
@@ -153,6 +157,8 @@ def run(prompts_file: Path, out_dir: Path) -> int:
         started = time.monotonic()
         for name, ids in prompts.items():
             outputs[f"{arm} {name}"] = _generate(llm, ids)
+            # The Windowed-MTP artifact's protocol penalises repetition in the draft and the target alike.
+            outputs[f"{arm} {name}, penalty {PENALTY}"] = _generate(llm, ids, PENALTY)
         if arm == "wmtp":
             ids = prompts[READ_SET_PROMPT]
             for tag, window, poison in (
@@ -176,7 +182,7 @@ def run(prompts_file: Path, out_dir: Path) -> int:
     counted = wstats.summarize(wstats.read(stats_dir))
     found["plugin_counters"] = counted
     proofs["windowed"] = counted["windowed_forwards"] > 0 and counted["blocks_skipped"] > 0
-    for name in prompts:
+    for name in [*prompts, *(f"{name}, penalty {PENALTY}" for name in prompts)]:
         mtp, wmtp = outputs[f"mtp {name}"], outputs[f"wmtp {name}"]
         verdict = equal_up_to_numerics(mtp["ids"], mtp["gaps"], wmtp["ids"], NEAR_TIE)
         proofs[f"lossless {name}"] = verdict.equal

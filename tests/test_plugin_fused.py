@@ -17,24 +17,15 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("torch")
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+TESTS = Path(__file__).resolve().parent
+SRC = TESTS.parent / "src"
 
 CASES = textwrap.dedent(
     """
     import dataclasses, random
     import torch
+    from attention_metadata import Metadata
     from wmtp.plugin import fused, hook, stats as wstats, window as win
-
-    @dataclasses.dataclass
-    class Metadata:  # the fields of vLLM 0.24's CommonAttentionMetadata that windowing reads or replaces
-        query_start_loc: object
-        query_start_loc_cpu: object
-        seq_lens: object
-        max_query_len: int
-        max_seq_len: int
-        block_table_tensor: object
-        seq_lens_cpu_upper_bound: object = None
-        _num_computed_tokens_cache: object = None
 
     def metadata(lens, queries, table):
         seq_lens = torch.tensor(lens, dtype=torch.int32)
@@ -106,7 +97,7 @@ CASES = textwrap.dedent(
 
 
 def test_the_window_kernels_set_the_same_window_and_count_the_same_blocks_as_the_pytorch_path():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(SRC)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)])}
     done = subprocess.run([sys.executable, "-c", CASES], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "checked" in done.stdout

@@ -141,22 +141,9 @@ def test_host_copies_of_the_lengths_are_reset_so_a_backend_derives_the_windowed_
     """vLLM ≤ 0.29 keeps host copies of seq_lens (FlashInfer reads them): the windowed copy drops them, so that
     vLLM's seq_lens_cpu derives them from the windowed device lengths; the shared metadata keeps its own."""
     torch = pytest.importorskip("torch")
-    import dataclasses
+    from attention_metadata import Metadata
 
     from wmtp.plugin.hook import windowed_with_drops
-
-    @dataclasses.dataclass
-    class Metadata:  # the fields of vLLM 0.24's CommonAttentionMetadata that windowing reads or replaces
-        query_start_loc: object
-        query_start_loc_cpu: object
-        seq_lens: object
-        max_query_len: int
-        max_seq_len: int
-        block_table_tensor: object
-        seq_lens_cpu_upper_bound: object = None
-        _seq_lens_cpu: object = None
-        _num_computed_tokens_cpu: object = None
-        _num_computed_tokens_cache: object = None
 
     seq_lens = torch.tensor([5000, 700, 40], dtype=torch.int32)
     query_start = torch.tensor([0, 1, 5, 45], dtype=torch.int32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -161,6 +162,36 @@ def _option_text(value: object) -> str:
     return json.dumps(value) if isinstance(value, (dict, list, bool)) or value is None else str(value)
 
 
+@dataclass(frozen=True)
+class CellCost:
+    """What the cost model needs of a cell to give its floors: the GPU's measured bandwidth (bytes/s), the
+    checkpoint's facts (None where the cost model does not read it), and the cycle's arm (a ring reads as wmtp
+    does), k, S and W."""
+
+    bandwidth: float
+    spec: costmodel.ModelSpec | None
+    arm: str
+    k: int
+    sink: int
+    window: int
+
+
+def cell_cost(manifest: dict) -> CellCost | None:
+    """The cell's cost-model inputs; None where the device's bandwidth is unknown (a CPU) or the manifest holds no
+    checkpoint config."""
+    cell, config = manifest["cell"], manifest.get("model_config")
+    bandwidth = costmodel.device_bandwidth((manifest.get("gpu_at_start") or {}).get("gpu_name"))
+    if bandwidth is None or not config:
+        return None
+    try:
+        spec = costmodel.model_from_hf_config(config)
+    except (KeyError, TypeError, ValueError):
+        spec = None
+    arm = cell["arm"] if cell["arm"] in ("none", "mtp") else "wmtp"
+    sink, window = int(cell.get("sink") or 0), int(cell.get("window") or 0)
+    return CellCost(bandwidth, spec, arm, int(cell.get("k") or 0), sink, window)
+
+
 def byte_floor_ms(manifest: dict, prompt_tokens: int) -> tuple[float, float]:
     """A cycle's byte floor (ms) for one request of the cell, and the bandwidth (bytes/s) it assumes.
 
@@ -168,18 +199,15 @@ def byte_floor_ms(manifest: dict, prompt_tokens: int) -> tuple[float, float]:
     forwards) at the request's prompt length, read at the GPU's measured bandwidth. NaN where the device's
     bandwidth is unknown (a CPU) or the checkpoint is not one the cost model reads.
     """
-    cell, config = manifest["cell"], manifest.get("model_config")
-    bandwidth = costmodel.device_bandwidth((manifest.get("gpu_at_start") or {}).get("gpu_name"))
-    if bandwidth is None or not config:
+    cost = cell_cost(manifest)
+    if cost is None:
         return math.nan, math.nan
-    try:
-        spec = costmodel.model_from_hf_config(config)
-    except (KeyError, TypeError, ValueError):
-        return math.nan, bandwidth
-    arm = cell["arm"] if cell["arm"] in ("none", "mtp") else "wmtp"
-    sink, window = int(cell.get("sink") or 0), int(cell.get("window") or 0)
-    floor = step_floor_ms(spec, int(prompt_tokens), int(cell.get("k") or 0), arm, bandwidth, sink=sink, window=window)
-    return floor["step"], bandwidth
+    if cost.spec is None:
+        return math.nan, cost.bandwidth
+    floor = step_floor_ms(
+        cost.spec, int(prompt_tokens), cost.k, cost.arm, cost.bandwidth, sink=cost.sink, window=cost.window
+    )
+    return floor["step"], cost.bandwidth
 
 
 def request_table(cell_dir: Path, deltas: pd.DataFrame) -> pd.DataFrame:

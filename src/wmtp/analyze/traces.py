@@ -196,21 +196,14 @@ def trace_rows(name: str, breakdown: Mapping[str, Any]) -> list[dict[str, Any]]:
 def component_floors_us(manifest: Mapping[str, Any], context: int) -> dict[str, float]:
     """Each component's byte floor (µs) for one request of the cell at ``context`` tokens: the cost model's bytes
     for the cell's checkpoint at the GPU's measured bandwidth; empty where either is unknown (a CPU)."""
-    from wmtp.analyze import costmodel
     from wmtp.analyze.floor import cycle_component_bytes
+    from wmtp.analyze.tidy import cell_cost
 
-    cell, config = manifest["cell"], manifest.get("model_config")
-    bandwidth = costmodel.device_bandwidth((manifest.get("gpu_at_start") or {}).get("gpu_name"))
-    if bandwidth is None or not config:
+    cost = cell_cost(dict(manifest))
+    if cost is None or cost.spec is None:
         return {}
-    try:
-        spec = costmodel.model_from_hf_config(config)
-    except (KeyError, TypeError, ValueError):
-        return {}
-    arm = cell["arm"] if cell["arm"] in ("none", "mtp") else "wmtp"
-    sink, window = int(cell.get("sink") or 0), int(cell.get("window") or 0)
-    parts = cycle_component_bytes(spec, context, int(cell.get("k") or 0), arm, sink=sink, window=window)
-    return {name: 1e6 * value / bandwidth for name, value in parts.items()}
+    parts = cycle_component_bytes(cost.spec, context, cost.k, cost.arm, sink=cost.sink, window=cost.window)
+    return {name: 1e6 * value / cost.bandwidth for name, value in parts.items()}
 
 
 def cell_trace_table(cell_dirs: Iterable[Path]) -> list[dict[str, Any]]:

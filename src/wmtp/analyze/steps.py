@@ -376,7 +376,7 @@ def server_ratio(table: pd.DataFrame, numerator: str, denominator: str, **where:
         num, den = group[group["arm"] == numerator], group[group["arm"] == denominator]
         if num.empty or den.empty:
             continue
-        a, b = (_servers(frame.iloc[0]) for frame in (num, den))
+        a, b = (server_steps(frame.iloc[0]) for frame in (num, den))
         ratio = float(num["step_ms"].iloc[0]) / float(den["step_ms"].iloc[0])
         lo, hi = min(a) / max(b), max(a) / min(b)
         gpus_a, gpus_b = (_server_gpus(frame.iloc[0], len(steps)) for frame, steps in ((num, a), (den, b)))
@@ -411,7 +411,8 @@ def _server_gpus(row: pd.Series, servers: int) -> list[str]:
     return gpus if len(gpus) == servers else [""] * servers
 
 
-def _servers(row: pd.Series) -> list[float]:
+def server_steps(row: pd.Series) -> list[float]:
+    """A step row's median cycle of each server (``server_step_ms``), or its one ``step_ms`` where not recorded."""
     text = row.get("server_step_ms")
     if isinstance(text, str) and text:
         return [float(v) for v in text.split(";")]

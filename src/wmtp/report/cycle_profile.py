@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from wmtp.analyze.traces import STEP_COMPONENTS
+from wmtp.layout import parse_cell_id
 from wmtp.report.load import Section
 
 #: The figure's and the table's order: the target's forward, the lm_heads, the draft, then what has no bytes.
@@ -43,10 +44,12 @@ def load_traces(paths: Iterable[Path | str]) -> pd.DataFrame | None:
 
 
 def _cell_fields(cell_ids: pd.Series) -> pd.DataFrame:
-    pattern = r"model~(?P<model>[^/]+)/engine~(?P<engine>[^/]+)/arm~(?P<arm>[^/]+)(?:/k~(?P<k>\d+))?"
-    fields = cell_ids.str.extract(pattern)
-    fields["k"] = pd.to_numeric(fields["k"]).fillna(0).astype(int)
-    return fields
+    keys = [parse_cell_id(cell_id) for cell_id in cell_ids]
+    return pd.DataFrame(
+        {"model": [c.model for c in keys], "engine": [c.engine for c in keys], "arm": [c.arm for c in keys],
+         "k": [c.k for c in keys]},
+        index=cell_ids.index,
+    )  # fmt: skip
 
 
 def cycle_profile_table(traces: pd.DataFrame) -> pd.DataFrame:

@@ -574,5 +574,7 @@ def window_gain_split(steps: pd.DataFrame | None) -> Section:
 
 def _server_range(row: pd.Series) -> float:
     """The highest server's median cycle less the lowest's (0 for one server)."""
-    medians = [float(v) for v in str(row.get("server_step_ms", "")).split(";") if v.strip()]
-    return max(medians) - min(medians) if medians else math.nan
+    from wmtp.analyze.steps import server_steps
+
+    medians = server_steps(row)
+    return max(medians) - min(medians)

@@ -36,6 +36,7 @@ def test_each_component_is_the_median_over_traces_beside_its_floor_and_idle_is_a
     assert mtp.at["target_attn", "us"] == 2010.0 and mtp.at["target_attn", "over_floor"] == 2.01
     assert mtp.at["device_idle", "us"] == 1010.0 and math.isnan(mtp.at["device_idle", "floor_us"])
     assert set(table["traces"]) == {2} and set(table["k"]) == {3} and set(table["context"]) == {1_048_576}
+    assert set(table["cycles"]) == {16}  # 8 traced steps in each of the 2 requests, whatever its components
 
 
 def test_the_windows_saving_sits_beside_what_its_bytes_allow():
@@ -45,6 +46,8 @@ def test_the_windows_saving_sits_beside_what_its_bytes_allow():
     sentence = cycle_profile_sentence(cycle_profile_table(_traces()), gain.reset_index())
     assert "0.80 ms a cycle off the draft's attention" in sentence and "bytes allow 0.59 ms" in sentence
     assert "target's attention 2.01×" in sentence
+    assert "traced (mtp 16 cycles of 2 request(s), wmtp 16 cycles of 2 request(s))," in sentence
+    assert "no interval" not in sentence  # two traces an arm
 
 
 def test_without_a_trace_table_the_section_says_so():

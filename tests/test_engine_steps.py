@@ -141,5 +141,9 @@ def test_the_windows_saving_splits_into_bytes_and_what_a_tuned_engine_takes_away
     assert split["by bytes (ms)"] == 1.5 and split["taken by the tuned options (ms)"] == 0.55
     assert split["tuned less bytes (ms)"] == 0.0 and split["default servers' range, mtp + wmtp (ms)"] == 0.2
     assert "attention split=128" in split["tuned engine"]
+    assert split["split"].startswith("above the default's server range; one tuned server an arm")
+    wide = steps.assign(server_step_ms=["15.0;17.0", "14.75", "14.3", "12.8"])
+    (spread,) = window_gain_split(wide).frame.to_dict("records")
+    assert spread["split"] == "not resolved: the default engine's servers range more"
     # Without a tuned engine beside the default one there is nothing to split.
     assert not window_gain_split(steps[steps["attention_config"] == ""]).available

@@ -55,18 +55,24 @@ def _cell_fields(cell_ids: pd.Series) -> pd.DataFrame:
 def cycle_profile_table(traces: pd.DataFrame) -> pd.DataFrame:
     """One row per (GPU, model, engine, arm, k, context, component): the median over the traced requests of the
     component's device time a cycle (µs), its byte floor (µs) and the time over the floor; the device's idle time
-    a cycle as its own component, and each shape's traced wall time and number of traces beside every row."""
+    a cycle as its own component, and each shape's traced wall time, traced requests and cycles beside every row."""
     if traces is None or traces.empty:
         return pd.DataFrame()
     frame = pd.concat([traces.reset_index(drop=True), _cell_fields(traces["cell_id"])], axis=1)
     frame = frame.rename(columns={"rung": "context"})
     frame["gpu"] = frame["gpu"].fillna("")
     parts = frame.groupby([*KEYS, "component"], as_index=False).agg(us=("us", "median"), floor_us=("floor_us", "first"))
-    shapes = frame.groupby(KEYS, as_index=False).agg(
-        wall_us=("wall_us", "median"),
-        device_busy_us=("device_busy_us", "median"),
-        device_idle_us=("device_idle_us", "median"),
-        traces=("trace", "nunique"),
+    # One row a traced request: its steps count once, not once a component.
+    shapes = (
+        frame.drop_duplicates([*KEYS, "trace"])
+        .groupby(KEYS, as_index=False)
+        .agg(
+            wall_us=("wall_us", "median"),
+            device_busy_us=("device_busy_us", "median"),
+            device_idle_us=("device_idle_us", "median"),
+            traces=("trace", "nunique"),
+            cycles=("steps", "sum"),
+        )
     )
     idle = shapes[KEYS].assign(component="device_idle", us=shapes["device_idle_us"], floor_us=float("nan"))
     table = pd.concat([parts, idle], ignore_index=True).merge(shapes, on=KEYS)
@@ -76,7 +82,7 @@ def cycle_profile_table(traces: pd.DataFrame) -> pd.DataFrame:
     table["order"] = table["component"].map(known)
     table["over_floor"] = table["us"] / table["floor_us"].where(table["floor_us"] > 0)
     table = table.sort_values([*KEYS, "order"]).drop(columns="order").reset_index(drop=True)
-    return table[[*KEYS, "component", "us", "floor_us", "over_floor", "wall_us", "device_busy_us", "traces"]]
+    return table[[*KEYS, "component", "us", "floor_us", "over_floor", "wall_us", "device_busy_us", "traces", "cycles"]]
 
 
 def window_gain(table: pd.DataFrame) -> pd.DataFrame:

@@ -549,6 +549,8 @@ def window_gain_split(steps: pd.DataFrame | None) -> Section:
                 if not attention:
                     continue
                 tuned_saved = float(mtp["step_ms"]) - float(wmtp["step_ms"])
+                spread = _server_range(default_mtp) + _server_range(default_wmtp)
+                tuned_servers = (int(mtp["servers"]), int(wmtp["servers"]))
                 rows.append(
                     {
                         "model": model,
@@ -561,15 +563,24 @@ def window_gain_split(steps: pd.DataFrame | None) -> Section:
                         "by bytes (ms)": round(by_bytes, 3),
                         "taken by the tuned options (ms)": round(default_saved - tuned_saved, 3),
                         "tuned less bytes (ms)": round(tuned_saved - by_bytes, 3),
-                        # Where the default engine's servers of an arm spread more than the split, it is not resolved.
-                        "default servers' range, mtp + wmtp (ms)": round(
-                            _server_range(default_mtp) + _server_range(default_wmtp), 3
-                        ),
+                        "default servers' range, mtp + wmtp (ms)": round(spread, 3),
                         "servers default mtp/wmtp": f"{int(default_mtp['servers'])}/{int(default_wmtp['servers'])}",
-                        "servers tuned mtp/wmtp": f"{int(mtp['servers'])}/{int(wmtp['servers'])}",
+                        "servers tuned mtp/wmtp": "/".join(map(str, tuned_servers)),
+                        "split": _split_verdict(default_saved - tuned_saved, spread, tuned_servers),
                     }
                 )
     return Section(pd.DataFrame(rows))
+
+
+def _split_verdict(taken: float, spread: float, tuned_servers: tuple[int, int]) -> str:
+    """Whether what the tuned options took is told apart from the servers' own spread: not where the default
+    engine's servers of the two arms range more than it; where the tuned arms ran one server each, their own spread
+    is not known, and the verdict says so."""
+    if not abs(taken) > spread:
+        return "not resolved: the default engine's servers range more"
+    if min(tuned_servers) < 2:
+        return "above the default's server range; one tuned server an arm, its own range not measured"
+    return "resolved"
 
 
 def _server_range(row: pd.Series) -> float:

@@ -327,10 +327,16 @@ def cycle_profile_sentence(table: pd.DataFrame, gain: pd.DataFrame) -> str:
     at = table[table["context"] == context]
     parts = []
     saved = gain[(gain["context"] == context) & (gain["component"] == "draft_attn")] if not gain.empty else gain
+    traced = at.drop_duplicates(["arm"])
+    counted = ", ".join(
+        f"{r['arm']} {int(r['cycles'])} cycles of {int(r['traces'])} request(s)" for _, r in traced.iterrows()
+    )
+    single = "; one request an arm, so no interval" if traced["traces"].max() == 1 else ""
     if not saved.empty:
         row = saved.iloc[0]
         parts.append(
-            f"At {context_label(context)} tokens the window took {row['saved_us'] / 1e3:.2f} ms a cycle off the "
+            f"At {context_label(context)} tokens, traced ({counted}{single}), "
+            f"the window took {row['saved_us'] / 1e3:.2f} ms a cycle off the "
             f"draft's attention on the device, where its bytes allow {row['saved_by_bytes_us'] / 1e3:.2f} ms: the "
             "rest is the native draft's attention kernel running above its floor"
         )

@@ -217,24 +217,26 @@ def test_the_readme_shows_the_committed_table():
 
 RING_SOURCES = {
     "kv_cache_interface.py": (
-        "def replace_as(spec, target_cls, *, drop=(), **changes):\n    pass\n"
         "class KVCacheSpec:\n"
         "    def max_memory_usage_bytes(self, vllm_config):\n        pass\n"
         "    def is_uniform_with_collection(self, s):\n        pass\n"
-        "    @property\n    def prefix_cacheable(self):\n        return True\n"
         "class AttentionSpec(KVCacheSpec):\n    pass\n"
         "class FullAttentionSpec(AttentionSpec):\n    pass\n"
     ),
     "core/single_type_kv_cache_manager.py": (
         "class BaseManager:\n"
-        "    def _remove_blocks_in_range(self, request_id, first, last):\n        pass\n"
+        "    def __init__(self, kv_cache_spec, block_pool, max_admission_blocks_per_request=None):\n"
+        "        self.block_pool = block_pool\n"
+        "        self.req_to_blocks = {}\n"
         "class SingleTypeKVCacheManager(BaseManager):\n"
-        "    def __init__(self, spec, max_admission_blocks_per_request=None):\n"
-        "        self.max_admission_blocks_per_request = max_admission_blocks_per_request\n"
+        "    def __init__(self, kv_cache_spec, block_pool, max_admission_blocks_per_request=None):\n"
+        "        super().__init__(kv_cache_spec, block_pool, max_admission_blocks_per_request)\n"
+        "        self._null_block = block_pool.null_block\n"
         "    @classmethod\n    def find_longest_cache_hit(cls):\n        pass\n"
-        "    def remove_skipped_blocks(self, request_id, processed_computed_tokens, num_prompt_tokens=None):\n"
+        "    def remove_skipped_blocks(self, request_id, total_computed_tokens):\n"
         "        pass\n"
     ),
+    "core/block_pool.py": "class BlockPool:\n    def free_blocks(self, blocks):\n        pass\n",
     "kv_cache_spec_registry.py": (
         "class KVCacheSpecRegistry:\n"
         "    @classmethod\n    def register(cls):\n        pass\n"
@@ -260,19 +262,23 @@ def _ring_tree(root: Path, replace: tuple[str, str] = ("", ""), proposer: str = 
 
 
 def test_the_rings_hook_points_are_checked_one_by_one(tmp_path):
-    # _remove_blocks_in_range comes from a base class in the same module: that counts
+    # __init__'s parameters and self.block_pool come from a base class in the same module: that counts
     assert ring_points(_ring_tree(tmp_path / "all"), "9.9.9") == {"ring": "ok"}
     gone = ring_points(_ring_tree(tmp_path / "gone", ("def remove_skipped_blocks(", "def drop_blocks(")), "9.9.9")
     assert gone == {
         "ring_refused": "vLLM 9.9.9 lacks vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager."
         "remove_skipped_blocks (the method), which arm wmtp-ring relies on"
     }
-    renamed = ring_points(_ring_tree(tmp_path / "params", ("*, drop=()", "*, without=()")), "9.9.9")
-    assert "vllm.v1.kv_cache_interface.replace_as (parameters ['drop'])" in renamed["ring_refused"]
-    uncapped = _ring_tree(tmp_path / "cap", ("self.max_admission_blocks_per_request =", "cap ="))
-    assert (
-        "SingleTypeKVCacheManager: self.max_admission_blocks_per_request" in ring_points(uncapped, "9")["ring_refused"]
+    renamed = ring_points(
+        _ring_tree(tmp_path / "params", ("max_admission_blocks_per_request=None", "admission_cap=None")), "9.9.9"
     )
+    assert (
+        "SingleTypeKVCacheManager.__init__ (parameters ['max_admission_blocks_per_request'])" in renamed["ring_refused"]
+    )
+    no_pool = ring_points(_ring_tree(tmp_path / "pool", ("def free_blocks(", "def release(")), "9.9.9")
+    assert "vllm.v1.core.block_pool.BlockPool.free_blocks (the method)" in no_pool["ring_refused"]
+    unlisted = _ring_tree(tmp_path / "blocks", ("self.req_to_blocks =", "blocks ="))
+    assert "SingleTypeKVCacheManager: self.req_to_blocks" in ring_points(unlisted, "9")["ring_refused"]
     # a name in a comment is not an attribute the proposer sets
     commented = _ring_tree(tmp_path / "comment", proposer=FAKE_PROPOSER + "\n# self._draft_attn_layer_names = {}\n")
     assert "SpecDecodeBaseProposer: self._draft_attn_layer_names" in ring_points(commented, "9")["ring_refused"]

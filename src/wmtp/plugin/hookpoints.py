@@ -119,30 +119,31 @@ V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 # What arm wmtp-ring relies on (wmtp.plugin.ring), as (module, class or None, member or None, parameters):
 # the class must exist in the module; a method must be defined by that class or by a base class it names in
 # the same module, or be a module-level function when no class is given, and take the parameters listed.
+# vLLM 0.24 and later versions both have these; the ring adapts to where they differ (its docstring says how).
 RING_POINTS: tuple[tuple[str, str | None, str | None, tuple[str, ...]], ...] = (
     ("vllm.v1.kv_cache_interface", "KVCacheSpec", "max_memory_usage_bytes", ("vllm_config",)),
     ("vllm.v1.kv_cache_interface", "KVCacheSpec", "is_uniform_with_collection", ()),
-    ("vllm.v1.kv_cache_interface", "KVCacheSpec", "prefix_cacheable", ()),
     ("vllm.v1.kv_cache_interface", "AttentionSpec", None, ()),
     ("vllm.v1.kv_cache_interface", "FullAttentionSpec", None, ()),
-    ("vllm.v1.kv_cache_interface", None, "replace_as", ("spec", "drop")),
-    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", "find_longest_cache_hit", ()),
     (
         "vllm.v1.core.single_type_kv_cache_manager",
         "SingleTypeKVCacheManager",
-        "remove_skipped_blocks",
-        ("request_id", "processed_computed_tokens", "num_prompt_tokens"),
+        "__init__",
+        ("kv_cache_spec", "block_pool", "max_admission_blocks_per_request"),
     ),
-    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", "_remove_blocks_in_range", ()),
+    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", "find_longest_cache_hit", ()),
+    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", "remove_skipped_blocks", ("request_id",)),
+    ("vllm.v1.core.block_pool", "BlockPool", "free_blocks", ()),
     ("vllm.v1.kv_cache_spec_registry", "KVCacheSpecRegistry", "register", ()),
     ("vllm.v1.kv_cache_spec_registry", "KVCacheSpecRegistry", "_ensure_registered", ()),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "get_kv_cache_spec", ()),
-    ("vllm.utils.math_utils", None, "cdiv", ()),
 )
 # Attributes the ring sets or reads on instances, as (module, class, attribute): each must be assigned as
-# ``self.<attribute>`` in that class. The manager's admission cap is what lets the scheduler admit a request
-# by the ring's bounded usage; the proposer's set names the draft's attention layers.
+# ``self.<attribute>`` in that class. The manager's block lists and null block are what the ring frees from;
+# the proposer's set names the draft's attention layers.
 RING_ATTRIBUTES: tuple[tuple[str, str, str], ...] = (
-    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", "max_admission_blocks_per_request"),
+    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", "req_to_blocks"),
+    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", "_null_block"),
+    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", "block_pool"),
     (PROPOSER_MODULE, PROPOSER_CLASS, "_draft_attn_layer_names"),
 )

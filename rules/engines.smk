@@ -24,3 +24,21 @@ rule engine:
     shell:
         "{params.py} -m wmtp --log {log:q} engine-build "
         "--engine {wildcards.engine:q} --engine-json {params.spec:q} --out {output:q}"
+
+
+# A vLLM release's Python sources (no kernels), read out of its wheel: enough to run its configuration, KV cache
+# manager and scheduler without a GPU (wmtp.measure.ring_blocks).
+rule vllm_sources:
+    output:
+        ENGINES / "sources" / "vllm-{version}" / "manifest.json",
+    log:
+        ENGINES / "sources" / "vllm-{version}.log",
+    wildcard_constraints:
+        version=r"\d+\.\d+\.\d+",
+    params:
+        py=PY,
+    localrule: True
+    conda:
+        "../envs/pipeline.yaml"
+    shell:
+        "{params.py} -m wmtp --log {log:q} vllm-sources --version {wildcards.version:q} --out {output:q}"

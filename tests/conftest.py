@@ -88,6 +88,24 @@ def engine_python() -> str:
     return find_engine_python()
 
 
+def gpu_vllm_version() -> str:
+    """The CUDA vLLM the H200 studies carry: scripts/device/engine_wheels.sh's default."""
+    import re
+
+    text = (REPO / "scripts" / "device" / "engine_wheels.sh").read_text()
+    return re.search(r"vllm_version=\$\{VLLM_VERSION:-([\w.]+)\}", text).group(1)
+
+
+@pytest.fixture(scope="session")
+def gpu_vllm_sources() -> Path:
+    """The Python sources of the H200 studies' vLLM that ``make engine`` reads out of its wheel, for the engine
+    interpreter's PYTHONPATH: its scheduler runs here without a GPU."""
+    root = engines_dir() / "sources" / f"vllm-{gpu_vllm_version()}"
+    if not (root / "manifest.json").exists() or not (root / "vllm" / "__init__.py").exists():
+        _missing_engine(f"no vLLM {gpu_vllm_version()} sources at {root} (build them: make engine)")
+    return root
+
+
 @pytest.fixture(scope="session")
 def trained_none(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Arm none of the committed trained checkpoint on one real server, read by two files in turn: a server start

@@ -213,6 +213,22 @@ def cmd_admission(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_vllm_sources(args: argparse.Namespace) -> int:
+    from wmtp.engines.vllm_versions import fetch_sources
+
+    out = Path(args.out)
+    found = fetch_sources(args.version, out.parent)
+    out.write_text(json.dumps(found, indent=2))
+    logging.getLogger("wmtp").info(
+        "vLLM %s: %d Python files, %d bytes in %d range requests",
+        args.version,
+        found["members"],
+        found["bytes_read"],
+        found["range_requests"],
+    )
+    return 0
+
+
 def predicted_reclaim(config_file: Path, measured: dict, name: str) -> dict[str, float]:
     """The cost model's bytes per request of the proof's length under wmtp and the ring, and the share reclaimed."""
     from wmtp.analyze import costmodel
@@ -383,6 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--engine-log", help="where the engine's own output goes (default: beside --out)")
     p.set_defaults(func=cmd_admission)
+
+    p = sub.add_parser(
+        "vllm-sources", help="a vLLM release's Python sources, read out of its wheel (its scheduler runs without a GPU)"
+    )
+    p.add_argument("--version", required=True)
+    p.add_argument("--out", required=True, help="the manifest; the sources go beside it, under vllm/")
+    p.set_defaults(func=cmd_vllm_sources)
 
     p = sub.add_parser("collect", help="raw cells → tidy parquet tables")
     p.add_argument("--out", required=True)

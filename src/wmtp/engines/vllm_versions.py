@@ -80,6 +80,19 @@ class RangeFile(io.RawIOBase):
 
     def __init__(self, url: str, size: int, stream: Callable[..., Any]) -> None:
         self.url, self.size, self._stream, self.position, self.requests = url, size, stream, 0, 0
+        self._held: list[tuple[int, bytes]] = []
+
+    def prefetch(self, spans: Iterable[tuple[int, int]]) -> None:
+        """Read each [start, end) in one request and serve later reads that start inside it from memory."""
+        position = self.position  # a buffered reader above this file keeps its own idea of where it is
+        for start, end in spans:
+            self.seek(start)
+            data = bytearray(end - start)
+            view, got = memoryview(data), 0
+            while got < len(data):
+                got += self._fetch(view[got:])
+            self._held.append((start, bytes(data)))
+        self.position = position
 
     def readable(self) -> bool:
         return True
@@ -96,6 +109,15 @@ class RangeFile(io.RawIOBase):
         return self.position
 
     def readinto(self, buffer: Any) -> int:
+        for start, data in self._held:
+            if start <= self.position < start + len(data):
+                n = min(len(buffer), start + len(data) - self.position)
+                buffer[:n] = data[self.position - start : self.position - start + n]
+                self.position += n
+                return n
+        return self._fetch(buffer)
+
+    def _fetch(self, buffer: Any) -> int:
         n = min(len(buffer), self.size - self.position)
         if n <= 0:
             return 0
@@ -133,6 +155,62 @@ def unpack_sources(wheel: zipfile.ZipFile, dest: Path) -> Path:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(wheel.read(name))
     return dest / "vllm"
+
+
+def member_spans(wheel: zipfile.ZipFile, wanted: Callable[[str], bool]) -> list[tuple[int, int]]:
+    """Byte ranges of the archive that hold the ``wanted`` members (local header and data), neighbours merged."""
+    members = sorted(wheel.infolist(), key=lambda info: info.header_offset)
+    ends = [info.header_offset for info in members[1:]] + [wheel.start_dir]
+    spans: list[tuple[int, int]] = []
+    for info, end in zip(members, ends, strict=True):
+        if not wanted(info.filename):
+            continue
+        if spans and spans[-1][1] == info.header_offset:
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((info.header_offset, end))
+    return spans
+
+
+def python_member(name: str) -> bool:
+    return name.startswith("vllm/") and name.endswith(".py")
+
+
+def fetch_sources(version: str, dest: Path) -> dict[str, Any]:
+    """Every Python source of vLLM ``version``'s x86-64 wheel under ``dest/vllm``, in a few range requests.
+
+    Enough to import vLLM's configuration, KV cache manager and scheduler on a machine without a GPU (the compiled
+    kernels are left out). Each member is checked against the archive's CRC as it is unpacked. Returns what
+    was read, for a manifest.
+    """
+    import shutil
+
+    import httpx
+
+    with httpx.Client(timeout=300, follow_redirects=True) as client:
+        index = client.get(INDEX_URL, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        index.raise_for_status()
+        url, size = wheel_url(index.json(), version)
+        remote = RangeFile(url, size, client.stream)
+        wheel = zipfile.ZipFile(io.BufferedReader(remote, buffer_size=1 << 16))
+        spans = member_spans(wheel, python_member)
+        remote.prefetch(spans)
+        partial = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        names = [name for name in wheel.namelist() if python_member(name)]
+        for name in names:
+            target = partial / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(wheel.read(name))
+    shutil.rmtree(dest, ignore_errors=True)
+    partial.rename(dest)
+    return {
+        "version": version,
+        "wheel": url,
+        "members": len(names),
+        "bytes_read": sum(end - start for start, end in spans),
+        "range_requests": remote.requests,
+    }
 
 
 def check_sources(root: Path, version: str) -> dict[str, Any]:

@@ -89,6 +89,15 @@ def test_the_draft_holds_at_most_its_bound_and_the_reclaimed_share_is_one_layer_
     assert ring["draft_free_lag"] == (CHUNK if blocks["async_scheduling"] else 0)
 
 
+@pytest.mark.engine
+def test_the_scheduler_is_timed_at_each_batch_size_it_decoded(blocks):
+    timed = blocks["arms"]["wmtp-ring"]["scheduler_us_per_decode_step"]
+    if blocks["async_scheduling"]:
+        assert timed == {}  # a step's schedule and update are not one after the other there
+        return
+    assert set(timed) == {"1", "2", "3"} and all(t["n"] > 0 and t["median"] > 0 for t in timed.values())
+
+
 def test_the_proofs_requests_overlap_even_when_every_draft_is_accepted():
     # two 1M prefills of 127 chunks each, while the first request decodes at most 4 tokens a step
     assert overlap_tokens(2, PROMPT, CHUNK, 3) == 2 * 127 * 4 + 1

@@ -37,6 +37,9 @@ from wmtp.measure.admission import AdmissionUnsized, kv_bytes_for, summarize_ste
 log = logging.getLogger(__name__)
 
 RESULT = "WMTP-RING-BLOCKS "
+# The vLLM series whose engine core's start-up this module repeats (later ones resolve a KV layout with their
+# workers first, and name things otherwise).
+ENGINE_CORE_SERIES = "0.24."
 DEFAULT_N = 2
 # Accepted drafts per decode step, cycled: every count from none to all k appears.
 ACCEPT_PATTERN = (3, 0, 2, 1)
@@ -195,6 +198,26 @@ def _scheduler(config: Any, kv: Any) -> Any:
     )
 
 
+def stand_in_output(scheduler: Any, out: Any, decodes: int) -> Any:
+    """What the model returns for a scheduled step: nothing for a prefill chunk short of the prompt's end, and for
+    a decode the accepted drafts (``accepted``) and one token more."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for rid in ids:
+        request = scheduler.requests[rid]
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            sampled.append([])
+            continue
+        proposed = out.scheduled_spec_decode_tokens.get(rid, [])
+        sampled.append([7] * accepted(decodes, len(proposed)) + [7])
+        decodes += 1
+    return ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)}, sampled_token_ids=sampled
+    )
+
+
 def serve(config: Any, kv: Any, prompt_tokens: int, output_tokens: int, requests: int) -> dict[str, Any]:
     """Schedule ``requests`` prompts of ``prompt_tokens`` at once until they finish; the scheduler's own state
     after every step.
@@ -202,10 +225,12 @@ def serve(config: Any, kv: Any, prompt_tokens: int, output_tokens: int, requests
     Steps go through a queue as deep as the engine's concurrent batches, as vLLM's engine core runs them: under
     async scheduling the next step is scheduled before the last one's tokens are back, its drafts placeholders.
     """
+    import statistics
+    import time
     from collections import deque
 
     from vllm import SamplingParams
-    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    from vllm.v1.outputs import DraftTokenIds
     from vllm.v1.request import Request
 
     scheduler = _scheduler(config, kv)
@@ -224,34 +249,27 @@ def serve(config: Any, kv: Any, prompt_tokens: int, output_tokens: int, requests
     draft_held: list[int] = []
     preemptions = decodes = 0
     finished: set[str] = set()
+    # The scheduler's own host time in steps that only decode (schedule plus update), per batch size.
+    decode_us: dict[int, list[float]] = {}
     while len(finished) < requests:
         if len(steps) > 100 * requests * (prompt_tokens + output_tokens):
             raise RuntimeError(f"the scheduler ran {len(steps)} steps and {len(finished)} of {requests} finished")
         if scheduler.has_requests() and len(batches) < in_flight:
+            started = time.perf_counter()
             out = scheduler.schedule()
+            schedule_s = time.perf_counter() - started
             preemptions += len(getattr(out, "preempted_req_ids", None) or ())
-            ids = list(out.num_scheduled_tokens)
-            sampled = []
-            for rid in ids:
-                request = scheduler.requests[rid]
-                if request.num_computed_tokens < request.num_prompt_tokens:
-                    sampled.append([])  # a prefill chunk that does not reach the prompt's end samples nothing
-                    continue
-                proposed = out.scheduled_spec_decode_tokens.get(rid, [])
-                sampled.append([7] * accepted(decodes, len(proposed)) + [7])
-                decodes += 1
-            batches.append(
-                (
-                    out,
-                    ModelRunnerOutput(
-                        req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)}, sampled_token_ids=sampled
-                    ),
-                )
-            )
+            result = stand_in_output(scheduler, out, decodes)
+            decodes += sum(1 for tokens in result.sampled_token_ids if tokens)
+            batches.append((out, result))
             if len(batches) < in_flight and scheduler.has_requests():
                 continue
         out, result = batches.popleft()
-        for engine_outputs in scheduler.update_from_output(out, result).values():
+        started = time.perf_counter()
+        updated = scheduler.update_from_output(out, result)
+        if all(result.sampled_token_ids) and in_flight == 1:
+            decode_us.setdefault(len(result.req_ids), []).append(1e6 * (schedule_s + time.perf_counter() - started))
+        for engine_outputs in updated.values():
             for output in engine_outputs.outputs:
                 if output.finish_reason is not None:
                     finished.add(output.request_id)
@@ -281,11 +299,22 @@ def serve(config: Any, kv: Any, prompt_tokens: int, output_tokens: int, requests
         "draft_blocks_limit": getattr(draft_manager.kv_cache_spec, "max_blocks_per_request", None),
         "draft_free_lag": getattr(draft_manager.kv_cache_spec, "free_lag", None),
         "min_free_blocks": int(min(s["free"] for s in steps)),
+        # Timed here only without async scheduling, where a step's schedule and update are one after the other.
+        "scheduler_us_per_decode_step": {
+            str(batch): {"median": statistics.median(times), "n": len(times)}
+            for batch, times in sorted(decode_us.items())
+        },
     }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import vllm
+
+    if not vllm.__version__.startswith(ENGINE_CORE_SERIES):
+        raise SystemExit(
+            f"wmtp.measure.ring_blocks repeats vLLM {ENGINE_CORE_SERIES}x's engine core start-up; this is vLLM "
+            f"{vllm.__version__} ({vllm.__file__}): put those sources first on PYTHONPATH (make engine fetches them)"
+        )
 
     out: dict[str, Any] = {
         "vllm": vllm.__version__,

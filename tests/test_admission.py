@@ -258,3 +258,57 @@ def test_top2_gaps_read_vllms_logprobs():
     gaps = adm.top2_gaps([{7: Logprob(-0.1), 3: Logprob(-2.6)}, {5: Logprob(-0.0)}])
     assert gaps[0] == pytest.approx(2.5) and gaps[1] == float("inf")
     assert adm.top2_gaps(None) == []
+
+
+def _record(arm: str, kv: int, concurrency: float, running: int, ids: list[list[int]], **settings) -> dict:
+    base = {"n": 2, "sink": 16, "window": 4096, "k": 3, "max_model_len": 1_041_021, "prompt_tokens": 1_040_000}
+    base |= {"output_tokens": 1017, "chunk": 8192, **settings}
+    return {
+        "arm": arm,
+        "engine": {"vllm": "0.24.0"},
+        **base,
+        "kv_cache_memory_bytes": kv,
+        "max_concurrency": concurrency,
+        "bytes_per_request": kv / concurrency,
+        "max_running": running,
+        "preemptions": 0,
+        "all_at_once": running == 3,
+        "decode_step_ms": {"3": {"median": 15.0, "p10": 14.0, "p90": 16.0, "n": 900}},
+        "outputs": [{"ids": i, "gaps": [1.0] * len(i)} for i in ids],
+    }
+
+
+def test_three_arm_records_of_separate_runs_make_one_proof():
+    ids = [[1, 2], [3, 4], [5, 6]]
+    records = [
+        _record("wmtp, all at once", 80, 3.4, 3, ids),
+        _record("wmtp", 60, 2.55, 2, ids),
+        _record("wmtp-ring", 60, 2.8, 3, ids),
+    ]
+    proof = adm.combine(records)
+    assert proof["verdict"] == "ring admits one more" and proof["same_output"] is True
+    assert proof["reclaimed_fraction"] == pytest.approx(1 - 2.55 / 2.8)
+    assert set(proof["arms"]) == {"wmtp", "wmtp-ring"} and proof["same_batches"]["max_running"] == 3
+    assert "outputs" not in proof["arms"]["wmtp-ring"] and proof["arms"]["wmtp-ring"]["decode_step_ms"]["3"]["n"] == 900
+    # a ring whose tokens differ from wmtp's in the same batches is no proof of the same output
+    differs = adm.combine([*records[:2], _record("wmtp-ring", 60, 2.8, 3, [[1, 2], [3, 4], [5, 7]])])
+    assert differs["same_output"] is False and differs["verdict"] == "ring admits one more"
+
+
+def test_records_of_different_proofs_are_not_combined():
+    ids = [[1, 2], [3, 4], [5, 6]]
+    same = _record("wmtp, all at once", 80, 3.4, 3, ids)
+    with pytest.raises(ValueError, match=r"other \['window'\]"):
+        adm.combine([same, _record("wmtp", 60, 2.55, 2, ids), _record("wmtp-ring", 60, 2.8, 3, ids, window=256)])
+    with pytest.raises(ValueError, match="same KV cache memory"):
+        adm.combine([same, _record("wmtp", 60, 2.55, 2, ids), _record("wmtp-ring", 61, 2.8, 3, ids)])
+    with pytest.raises(ValueError, match=r"missing \['wmtp, all at once'\]"):
+        adm.combine([_record("wmtp", 60, 2.55, 2, ids), _record("wmtp-ring", 60, 2.8, 3, ids)])
+
+
+def test_decode_steps_are_timed_per_batch_size_and_prefill_steps_left_out():
+    samples = [(0, 900.0), (1, 10.0), (1, 12.0), (1, 11.0), (3, 20.0), (0, 1200.0)]
+    times = adm.step_times(samples)
+    assert set(times) == {"1", "3"}
+    assert times["1"]["median"] == 11.0 and times["1"]["n"] == 3 and times["3"]["n"] == 1
+    assert times["1"]["p10"] <= times["1"]["median"] <= times["1"]["p90"]

@@ -154,6 +154,16 @@ def test_the_stand_in_sizes_the_kv_cache_as_the_h200_servers_did(
         assert round(found["concurrency"], 2) == float(concurrency)
 
 
-def test_make_engine_reads_the_sources_of_the_carried_vllm():
-    makefile = (REPO / "Makefile").read_text()
-    assert f"GPU_VLLM_SOURCES := results/engines/sources/vllm-{gpu_vllm_version()}/manifest.json" in makefile
+PREDICTION = REPO / "measurements" / "h200" / "ring_blocks_vllm-0.24.0.json"
+
+
+@pytest.mark.engine
+def test_the_committed_prediction_the_gpu_proof_reads_is_what_the_scheduler_gives_now(blocks):
+    """scripts/device/ring_admission_gpu.sh takes its KV memory, lengths and tokens from the committed record."""
+    if not blocks["async_scheduling"]:
+        return  # the record is of the H200 servers' async scheduling; the sync run has its own tests above
+    committed = json.loads(PREDICTION.read_text())
+    for key in ("vllm", "kv_cache_memory_bytes", "max_model_len", "prompt_tokens", "output_tokens", "verdict"):
+        assert committed[key] == blocks[key], key
+    assert committed["model"] == "Qwen3.6-35B-A3B"
+    assert committed["arms"]["wmtp-ring"]["max_running"] == 3

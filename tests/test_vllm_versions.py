@@ -330,3 +330,33 @@ def test_the_tested_row_is_what_the_engine_itself_reports(engine_python):
         if line.startswith("| 0.")
     }
     assert rows[found["vllm_version"]] == ["tested", found["runner"]]
+
+
+def test_the_ring_column_names_the_strongest_test_its_version_passed(tmp_path):
+    checks = [
+        {"version": v, "status": "checked", "runner": "V1", "ring": "checked", "reason": ""}
+        for v in ("0.23.0", "0.24.0", "0.32.0")
+    ] + [{"version": "0.22.0", "status": "checked", "runner": "V1", "ring": "refused: lacks X", "reason": ""}]
+    passed = {"engine": {"vllm": "0.24.0"}, "verdict": "ring admits one more", "same_output": True}
+    (tmp_path / "passed.json").write_text(json.dumps(passed))
+    # admitted one more, but its outputs were not wmtp's: not a pass
+    (tmp_path / "differs.json").write_text(json.dumps({**passed, "engine": {"vllm": "0.23.0"}, "same_output": False}))
+    gpu = vv.gpu_ring_versions([tmp_path / "passed.json", tmp_path / "differs.json"])
+    assert gpu == {"0.24.0"}
+    before = vv.status_rows(checks, tested={"0.32.0"}, ring_scheduler_tested={"0.24.0"})
+    assert [(r["version"], r["ring"]) for r in before] == [
+        ("0.22.0", "refused: lacks X"),
+        ("0.23.0", "checked"),
+        ("0.24.0", "tested (scheduler)"),
+        ("0.32.0", "tested"),
+    ]
+    after = vv.status_rows(checks, tested={"0.32.0"}, ring_scheduler_tested={"0.24.0"}, ring_gpu_tested=gpu)
+    assert [r["ring"] for r in after][2] == "tested (GPU)"
+
+
+def test_the_rings_scheduler_is_tested_on_the_carried_vllm():
+    from conftest import gpu_vllm_version
+
+    assert vv.scheduler_tested_versions(vv.MAKEFILE) == {gpu_vllm_version()}
+    table = (REPO / "docs" / "vllm-versions.md").read_text()
+    assert f"| {gpu_vllm_version()} | tested (GPU) | V1 (VLLM_USE_V2_MODEL_RUNNER=0) | tested (scheduler) |" in table

@@ -219,7 +219,7 @@ def check_sources(root: Path, version: str) -> dict[str, Any]:
         found = check_hook_points(root=root, version=version)
     except HookPointError as err:
         return {"version": version, "status": "refused", "reason": str(err)}
-    ring = "yes" if found.get("ring") == "ok" else f"refused: {found.get('ring_refused')}"
+    ring = "checked" if found.get("ring") == "ok" else f"refused: {found.get('ring_refused')}"
     return {"version": version, "status": "checked", "runner": found["runner"], "ring": ring, "reason": ""}
 
 
@@ -227,18 +227,41 @@ def check_sources(root: Path, version: str) -> dict[str, Any]:
 STATUS_BY_TESTS = {(True, False): "tested", (False, True): "tested (GPU)", (True, True): "tested (CPU and GPU)"}
 
 
+def ring_status(version: str, tested: set[str], scheduler_tested: set[str], gpu_tested: set[str]) -> str:
+    """The wmtp-ring column of a version whose ring hook points are all there: the strongest test it passed.
+
+    ``tested``: an engine of the test suite serves the ring (its admission proof); ``tested (scheduler)``: the
+    test suite runs this version's scheduler and KV cache manager with the ring, without a GPU
+    (``wmtp.measure.ring_blocks``); ``tested (GPU)``: a committed GPU admission record passed.
+    """
+    if version in gpu_tested:
+        return "tested (GPU)"
+    if version in tested:
+        return "tested"
+    if version in scheduler_tested:
+        return "tested (scheduler)"
+    return "checked"
+
+
 def status_rows(
-    checks: Iterable[dict[str, Any]], tested: Iterable[str], gpu_tested: Iterable[str] = ()
+    checks: Iterable[dict[str, Any]],
+    tested: Iterable[str],
+    gpu_tested: Iterable[str] = (),
+    ring_scheduler_tested: Iterable[str] = (),
+    ring_gpu_tested: Iterable[str] = (),
 ) -> list[dict[str, Any]]:
     """Mark the versions an engine of the test suite runs as ``tested`` and those whose committed GPU proofs all
-    passed as ``tested (GPU)`` (only where the check passed)."""
+    passed as ``tested (GPU)`` (only where the check passed); the ring's column likewise (``ring_status``)."""
     tested, gpu_tested = set(tested), set(gpu_tested)
+    scheduler, ring_gpu = set(ring_scheduler_tested), set(ring_gpu_tested)
     rows = []
     for check in checks:
         row = dict(check)
         if row["status"] == "checked":
             marks = (row["version"] in tested, row["version"] in gpu_tested)
             row["status"] = STATUS_BY_TESTS.get(marks, "checked")
+            if row.get("ring") == "checked":
+                row["ring"] = ring_status(row["version"], tested, scheduler, ring_gpu)
         rows.append(row)
     return sorted(rows, key=lambda r: tuple(int(p) if p.isdigit() else p for p in r["version"].split(".")))
 
@@ -293,6 +316,36 @@ def gpu_tested_versions(proof_files: Iterable[Path]) -> set[str]:
     return found
 
 
+# The test suite's copy of the carried CUDA vLLM's sources (the Makefile's target), whose scheduler runs the ring.
+MAKEFILE = REPO_ROOT / "Makefile"
+# GPU admission records of the ring, as scripts/device/ring_admission_gpu.sh writes them on a GPU machine.
+GPU_RING_RECORDS = REPO_ROOT / "measurements" / "h200" / "ring-admission"
+
+
+def scheduler_tested_versions(makefile: Path) -> set[str]:
+    """The vLLM versions whose sources ``make engine`` fetches for the ring's scheduler tests."""
+    return set(
+        re.findall(
+            r"^GPU_VLLM_SOURCES := results/engines/sources/vllm-([\w.]+)/manifest\.json$",
+            makefile.read_text(),
+            flags=re.MULTILINE,
+        )
+    )
+
+
+def gpu_ring_versions(records: Iterable[Path]) -> set[str]:
+    """The vLLM versions of committed GPU admission records in which the ring admitted one more request with
+    wmtp's outputs."""
+    import json
+
+    found = set()
+    for path in records:
+        record = json.loads(path.read_text())
+        if record.get("verdict") == "ring admits one more" and record.get("same_output") is True:
+            found.add(record["engine"]["vllm"])
+    return found
+
+
 def check_versions(versions: Sequence[str]) -> list[dict[str, Any]]:
     import httpx
 
@@ -321,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         check_versions(args.versions),
         tested_versions([REPO_ROOT / "config" / "config.yaml"]),
         gpu_tested_versions([GPU_PROOFS]),
+        scheduler_tested_versions(MAKEFILE),
+        gpu_ring_versions(sorted(GPU_RING_RECORDS.glob("*.json"))),
     )
     table = render_table(rows)
     args.table.write_text(

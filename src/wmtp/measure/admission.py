@@ -162,20 +162,26 @@ def _metric(llm: Any, name: str) -> float:
 def _engine(model: Path, ring: bool, args: argparse.Namespace, kv_bytes: int | None) -> Any:
     from vllm import LLM
 
-    return LLM(
-        model=str(model),
-        dtype="bfloat16",
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.chunk,
-        distributed_executor_backend="uni",
-        disable_log_stats=False,
-        kv_cache_memory_bytes=kv_bytes,
-        speculative_config={"method": "mtp", "num_speculative_tokens": args.k},
-        additional_config={"wmtp": {"sink": args.sink, "window": args.window, "ring": ring}},
-        seed=0,
-    )
+    settings = {
+        "model": str(model),
+        "dtype": "bfloat16",
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "max_model_len": args.max_model_len,
+        "max_num_batched_tokens": args.chunk,
+        "distributed_executor_backend": "uni",
+        "disable_log_stats": False,
+        "kv_cache_memory_bytes": kv_bytes,
+        "speculative_config": {"method": "mtp", "num_speculative_tokens": args.k},
+        "additional_config": {"wmtp": {"sink": args.sink, "window": args.window, "ring": ring}},
+        "seed": 0,
+    }
+    # A GPU run adds its own (load_format "dummy", the recurrent layers' prefill backend, …); never the proof's.
+    extra = json.loads(getattr(args, "engine_kwargs", None) or "{}")
+    clash = sorted(set(extra) & {"max_model_len", "kv_cache_memory_bytes", "speculative_config", "additional_config"})
+    if clash:
+        raise ValueError(f"--engine-kwargs may not set {clash}: the proof sets them")
+    return LLM(**{**settings, **extra})
 
 
 def _capacity(llm: Any) -> dict[str, Any]:
@@ -210,7 +216,30 @@ def _release() -> None:
     cleanup_dist_env_and_memory()
 
 
-def _serve_at_once(llm: Any, prompts: list[list[int]], tokens: int) -> tuple[list[dict[str, float]], list[Output]]:
+def _decoding(llm: Any) -> int:
+    """How many requests the engine's scheduler runs, if all of them only decode; 0 while any still prefills."""
+    running = llm.llm_engine.engine_core.engine_core.scheduler.running
+    return len(running) if all(r.num_computed_tokens >= r.num_prompt_tokens for r in running) else 0
+
+
+def step_times(samples: Sequence[tuple[int, float]]) -> dict[str, dict[str, float]]:
+    """Per batch size, the median, 10th and 90th percentile and count of the decode steps' durations (ms)."""
+    import statistics
+
+    by_batch: dict[int, list[float]] = {}
+    for batch, ms in samples:
+        if batch:
+            by_batch.setdefault(batch, []).append(ms)
+    out = {}
+    for batch, times in sorted(by_batch.items()):
+        cuts = statistics.quantiles(times, n=10) if len(times) > 1 else [times[0]] * 9
+        out[str(batch)] = {"median": statistics.median(times), "p10": cuts[0], "p90": cuts[-1], "n": len(times)}
+    return out
+
+
+def _serve_at_once(
+    llm: Any, prompts: list[list[int]], tokens: int, timed: list[tuple[int, float]] | None = None
+) -> tuple[list[dict[str, float]], list[Output]]:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=2)
@@ -218,7 +247,13 @@ def _serve_at_once(llm: Any, prompts: list[list[int]], tokens: int) -> tuple[lis
         llm.llm_engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     steps, outputs = [], {}
     while llm.llm_engine.has_unfinished_requests():
-        for result in llm.llm_engine.step():
+        batch = _decoding(llm) if timed is not None else 0
+        started = time.perf_counter()
+        results = llm.llm_engine.step()
+        if timed is not None:
+            # The engine loop's own step: schedule, the forward and its drafts, the outputs; the batch it started with.
+            timed.append((batch, 1e3 * (time.perf_counter() - started)))
+        for result in results:
             if result.finished:
                 done = result.outputs[0]
                 outputs[int(result.request_id)] = Output(list(done.token_ids), top2_gaps(done.logprobs))
@@ -241,60 +276,124 @@ def top2_gaps(logprobs: Sequence[dict[int, Any]] | None) -> list[float]:
     return gaps
 
 
-def run(model: Path, args: argparse.Namespace) -> dict[str, Any]:
+def _in_process() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: its scheduler is ours to read
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the KV size each engine is given
+
+
+def make_prompts(model: Path, args: argparse.Namespace) -> list[list[int]]:
+    """The proof's N + 1 prompts: random token ids of the model's vocabulary, the same for every arm and run."""
     length = prompt_length(args.max_model_len, args.tokens, args.k)
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     rng = random.Random(0)
-    prompts = [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(args.n + 1)]
-    probe_bytes = args.probe_bytes
-    per_request = {}
-    outputs: dict[str, list[Output]] = {}
-    for arm, ring in (("wmtp", False), ("wmtp-ring", True)):
-        llm = _engine(model, ring, args, probe_bytes)
-        found = _capacity(llm)
-        per_request[arm] = found["kv_cache_memory_bytes"] / found["max_concurrency"]
-        if not ring:
-            # Room for all at once: the batches the ring runs, without the ring (the reference of its output).
-            outputs[SAME_BATCHES] = _serve_at_once(llm, prompts, args.tokens)[1]
-        del llm
-        _release()
-    out: dict[str, Any] = {
+    return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(args.n + 1)]
+
+
+# What every arm's record of one proof must share (run_arm, combine).
+SETTINGS = ("n", "sink", "window", "k", "max_model_len", "prompt_tokens", "output_tokens", "chunk")
+ARMS = ("wmtp", "wmtp-ring", SAME_BATCHES)
+
+
+def run_arm(model: Path, args: argparse.Namespace, arm: str, kv_bytes: int) -> dict[str, Any]:
+    """One arm of the proof in one engine at ``kv_bytes``: its capacity, what ran at once, each decode step's time
+    by batch size, and its outputs. A GPU runs the arms one at a time (each is minutes at 1M tokens); ``combine``
+    makes the proof of the three records."""
+    import vllm
+
+    _in_process()
+    prompts = make_prompts(model, args)
+    started = time.monotonic()
+    llm = _engine(model, arm == "wmtp-ring", args, kv_bytes)
+    capacity = _capacity(llm)
+    timed: list[tuple[int, float]] = []
+    steps, outputs = _serve_at_once(llm, prompts, args.tokens, timed)
+    record = {
+        "arm": arm,
+        "engine": {"vllm": vllm.__version__},
+        **_settings(args, len(prompts[0])),
+        **capacity,
+        "bytes_per_request": capacity["kv_cache_memory_bytes"] / capacity["max_concurrency"],
+        **summarize_steps(steps, len(prompts)),
+        "decode_step_ms": step_times(timed),
+        "seconds": round(time.monotonic() - started, 1),
+        "outputs": [asdict(o) for o in outputs],
+    }
+    del llm
+    _release()
+    return record
+
+
+def _settings(args: argparse.Namespace, prompt_tokens: int) -> dict[str, Any]:
+    return {
         "n": args.n,
         "sink": args.sink,
         "window": args.window,
         "k": args.k,
         "max_model_len": args.max_model_len,
-        "prompt_tokens": length,
+        "prompt_tokens": prompt_tokens,
         "output_tokens": args.tokens,
         "chunk": args.chunk,
-        "arms": {},
-        "same_output": None,
     }
-    try:
-        kv_bytes = kv_bytes_for(args.n, per_request["wmtp"], per_request["wmtp-ring"])
-    except AdmissionUnsized as err:  # a result, not a failure: the report says so
-        return {**out, "kv_cache_memory_bytes": None, "verdict": f"not sizeable: {err}"}
-    out["kv_cache_memory_bytes"] = kv_bytes
+
+
+def combine(records: Sequence[dict[str, Any]], eps: float = NEAR_TIE) -> dict[str, Any]:
+    """The proof from its three arm records: the ring's outputs against wmtp's, the verdict, the reclaimed share."""
+    by_arm = {record["arm"]: record for record in records}
+    missing = [arm for arm in ARMS if arm not in by_arm]
+    if missing:
+        raise ValueError(f"the proof needs a record of each arm; missing {missing}")
+    first = by_arm["wmtp"]
+    for record in by_arm.values():
+        differ = [key for key in (*SETTINGS, "engine") if record[key] != first[key]]
+        if differ:
+            raise ValueError(f"arm {record['arm']} ran with other {differ} than arm wmtp: not one proof")
+    if by_arm["wmtp"]["kv_cache_memory_bytes"] != by_arm["wmtp-ring"]["kv_cache_memory_bytes"]:
+        raise ValueError("wmtp and wmtp-ring must run in the same KV cache memory")
+    outputs = {arm: [Output(**o) for o in record["outputs"]] for arm, record in by_arm.items()}
+    measured = {
+        arm: {k: v for k, v in record.items() if k not in ("outputs", *SETTINGS)} for arm, record in by_arm.items()
+    }
+    check = output_check(outputs, eps)
+    plain, ring = measured["wmtp"], measured["wmtp-ring"]
+    return {
+        **{key: first[key] for key in SETTINGS},
+        "engine": first["engine"],
+        "kv_cache_memory_bytes": plain["kv_cache_memory_bytes"],
+        "reclaimed_fraction": 1 - ring["bytes_per_request"] / plain["bytes_per_request"],
+        "arms": {"wmtp": plain, "wmtp-ring": ring},
+        "same_batches": measured[SAME_BATCHES],
+        "output_check": check,
+        "same_output": check["equal"],
+        "verdict": verdict(plain, ring),
+    }
+
+
+def run(model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The whole proof in one process: size the KV memory from the engines' own capacities, then run the arms."""
+    _in_process()
+    probe = {}
     for arm, ring in (("wmtp", False), ("wmtp-ring", True)):
-        started = time.monotonic()
-        llm = _engine(model, ring, args, kv_bytes)
-        capacity = _capacity(llm)
-        steps, outputs[arm] = _serve_at_once(llm, prompts, args.tokens)
-        out["arms"][arm] = {
-            **capacity,
-            "bytes_per_request": per_request[arm],
-            **summarize_steps(steps, len(prompts)),
-            "seconds": round(time.monotonic() - started, 1),
-        }
+        llm = _engine(model, ring, args, args.probe_bytes)
+        found = _capacity(llm)
+        probe[arm] = found["kv_cache_memory_bytes"] / found["max_concurrency"]
         del llm
         _release()
-    out["output_check"] = output_check(outputs, args.eps)
-    out["same_output"] = out["output_check"]["equal"]
-    out["verdict"] = verdict(out["arms"]["wmtp"], out["arms"]["wmtp-ring"])
-    return out
+    try:
+        kv_bytes = kv_bytes_for(args.n, probe["wmtp"], probe["wmtp-ring"])
+    except AdmissionUnsized as err:  # a result, not a failure: the report says so
+        length = prompt_length(args.max_model_len, args.tokens, args.k)
+        return {
+            **_settings(args, length),
+            "arms": {},
+            "same_output": None,
+            "kv_cache_memory_bytes": None,
+            "verdict": f"not sizeable: {err}",
+        }
+    # wmtp with room for all at once runs the batches the ring runs: the reference of the ring's output.
+    records = [run_arm(model, args, SAME_BATCHES, args.probe_bytes)]
+    records += [run_arm(model, args, arm, kv_bytes) for arm in ("wmtp", "wmtp-ring")]
+    return combine(records, args.eps)
 
 
 def run_in_engine(
@@ -329,7 +428,7 @@ def run_in_engine(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--model", type=Path, help="the checkpoint directory (not with --combine)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sink", type=int, default=16)
     parser.add_argument("--window", type=int, default=256)
@@ -340,13 +439,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=1024, help="prefill chunk (max_num_batched_tokens)")
     parser.add_argument("--eps", type=float, default=NEAR_TIE, help="top-2 log-probability gap of a near tie")
     parser.add_argument("--probe-bytes", type=int, default=256 << 20, help="KV memory of the sizing engines")
+    parser.add_argument("--arm", choices=ARMS, help="run this arm alone, at --kv-bytes, and write its record")
+    parser.add_argument("--kv-bytes", type=int, help="the KV cache memory of --arm")
+    parser.add_argument("--engine-kwargs", default="{}", help="more of vLLM's LLM(...) arguments, as one JSON object")
+    parser.add_argument("--combine", type=Path, nargs="+", help="make the proof of these three arm records")
     args = parser.parse_args(argv)
-    result = run(args.model, args)
+    if not args.combine and args.model is None:
+        parser.error("--model is required")
+    if args.combine:
+        result = combine([json.loads(path.read_text()) for path in args.combine], args.eps)
+    elif args.arm:
+        if args.kv_bytes is None:
+            parser.error("--arm needs --kv-bytes")
+        result = run_arm(args.model, args, args.arm, args.kv_bytes)
+    else:
+        result = run(args.model, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=2))
     tmp.replace(args.out)
-    print(RESULT + json.dumps({"verdict": result["verdict"], "same_output": result["same_output"]}), flush=True)
+    print(RESULT + json.dumps({k: result.get(k) for k in ("arm", "verdict", "same_output", "max_running")}), flush=True)
     return 0
 
 

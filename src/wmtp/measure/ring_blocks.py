@@ -307,6 +307,14 @@ def serve(config: Any, kv: Any, prompt_tokens: int, output_tokens: int, requests
     }
 
 
+def model_name(model: Path) -> str:
+    """The architecture a dummy checkpoint stands for (its wmtp-model.json), else the folder's name."""
+    manifest = model / "wmtp-model.json"
+    if manifest.exists():
+        return json.loads(manifest.read_text()).get("architecture") or model.name
+    return model.name
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import vllm
 
@@ -318,7 +326,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     out: dict[str, Any] = {
         "vllm": vllm.__version__,
-        "model": args.model.name,
+        "model": model_name(args.model),
         "n": args.n,
         "sink": args.sink,
         "window": args.window,

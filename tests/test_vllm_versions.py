@@ -237,6 +237,10 @@ RING_SOURCES = {
         "        pass\n"
     ),
     "core/block_pool.py": "class BlockPool:\n    def free_blocks(self, blocks):\n        pass\n",
+    "core/kv_cache_utils.py": (
+        "def create_kv_cache_group_specs(kv_cache_spec, grouped_layer_names):\n    pass\n"
+        "def _get_kv_cache_groups_uniform_page_size(kv_cache_spec):\n    pass\n"
+    ),
     "kv_cache_spec_registry.py": (
         "class KVCacheSpecRegistry:\n"
         "    @classmethod\n    def register(cls):\n        pass\n"
@@ -263,7 +267,10 @@ def _ring_tree(root: Path, replace: tuple[str, str] = ("", ""), proposer: str = 
 
 def test_the_rings_hook_points_are_checked_one_by_one(tmp_path):
     # __init__'s parameters and self.block_pool come from a base class in the same module: that counts
-    assert ring_points(_ring_tree(tmp_path / "all"), "9.9.9") == {"ring": "ok"}
+    assert ring_points(_ring_tree(tmp_path / "all"), "9.9.9") == {
+        "ring": "ok",
+        "ring_grouping": "vllm.v1.core.kv_cache_utils",
+    }
     gone = ring_points(_ring_tree(tmp_path / "gone", ("def remove_skipped_blocks(", "def drop_blocks(")), "9.9.9")
     assert gone == {
         "ring_refused": "vLLM 9.9.9 lacks vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager."
@@ -277,6 +284,9 @@ def test_the_rings_hook_points_are_checked_one_by_one(tmp_path):
     )
     no_pool = ring_points(_ring_tree(tmp_path / "pool", ("def free_blocks(", "def release(")), "9.9.9")
     assert "vllm.v1.core.block_pool.BlockPool.free_blocks (the method)" in no_pool["ring_refused"]
+    # without the grouping the ring knows, it still runs, in vLLM's own grouping
+    regrouped = ring_points(_ring_tree(tmp_path / "groups", ("def create_kv_cache_group_specs", "def groups")), "9")
+    assert regrouped == {"ring": "ok", "ring_grouping": None}
     unlisted = _ring_tree(tmp_path / "blocks", ("self.req_to_blocks =", "blocks ="))
     assert "SingleTypeKVCacheManager: self.req_to_blocks" in ring_points(unlisted, "9")["ring_refused"]
     # a name in a comment is not an attribute the proposer sets
@@ -360,3 +370,9 @@ def test_the_rings_scheduler_is_tested_on_the_carried_vllm():
     assert vv.scheduler_tested_versions(vv.MAKEFILE) == {gpu_vllm_version()}
     table = (REPO / "docs" / "vllm-versions.md").read_text()
     assert f"| {gpu_vllm_version()} | tested (GPU) | V1 (VLLM_USE_V2_MODEL_RUNNER=0) | tested (scheduler) |" in table
+
+
+def test_a_ring_in_vllms_own_grouping_says_so():
+    row = {"version": "9.9.9", "status": "checked", "runner": "V1", "ring": "checked", "reason": ""}
+    assert "| checked (vLLM's grouping: groups of one layer) |" in vv.render_table([{**row, "ring_grouping": None}])
+    assert "| checked |" in vv.render_table([{**row, "ring_grouping": "vllm.v1.core.kv_cache_utils"}])

@@ -145,7 +145,8 @@ def _tree(root: Path, module: str) -> ast.Module | None:
 
 
 def ring_points(root: Path, version: str) -> dict:
-    """Whether arm wmtp-ring's hook points exist: ``{"ring": "ok"}`` or ``{"ring_refused": reason}``.
+    """Whether arm wmtp-ring's hook points exist: ``{"ring": "ok", "ring_grouping": module or None}`` or
+    ``{"ring_refused": reason}``.
 
     A vLLM can pass the windowed draft's check and still lack what the ring replaces; then only wmtp-ring is
     refused, before its server starts.
@@ -162,7 +163,19 @@ def ring_points(root: Path, version: str) -> dict:
             missing.append(f"{module}.{cls}: self.{attribute}")
     if missing:
         return {"ring_refused": f"vLLM {version} lacks {', '.join(missing)}, which arm wmtp-ring relies on"}
-    return {"ring": "ok"}
+    return {"ring": "ok", "ring_grouping": ring_grouping(root)}
+
+
+def ring_grouping(root: Path) -> str | None:
+    """The module whose KV cache grouping the ring stands its draft group apart in, or None (vLLM's own grouping)."""
+    for module in hp.RING_GROUPING_MODULES:
+        tree = _tree(root, module)
+        if tree is not None and all(
+            not _ring_point_missing(tree, None, name, ())
+            for name in (hp.RING_GROUPING_FUNCTION, hp.RING_GROUP_SPECS_FUNCTION)
+        ):
+            return module
+    return None
 
 
 def runner_switch(root: Path, version: str) -> dict:

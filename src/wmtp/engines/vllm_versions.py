@@ -68,6 +68,7 @@ def wanted_member(name: str) -> bool:
     proposer_package = _module_file(hp.PROPOSER_MODULE).rsplit("/", 1)[0] + "/"
     exact = {_module_file(hp.METADATA_MODULE), _module_file(hp.V2_RUNNER_MODULE), "vllm/envs.py", "vllm/_version.py"}
     exact |= {_module_file(point[0]) for point in (*hp.RING_POINTS, *hp.RING_ATTRIBUTES)}
+    exact |= {_module_file(module) for module in hp.RING_GROUPING_MODULES}
     return name in exact or (name.startswith(proposer_package) and name.endswith(".py") and name.count("/") == 3)
 
 
@@ -220,7 +221,10 @@ def check_sources(root: Path, version: str) -> dict[str, Any]:
     except HookPointError as err:
         return {"version": version, "status": "refused", "reason": str(err)}
     ring = "checked" if found.get("ring") == "ok" else f"refused: {found.get('ring_refused')}"
-    return {"version": version, "status": "checked", "runner": found["runner"], "ring": ring, "reason": ""}
+    row = {"version": version, "status": "checked", "runner": found["runner"], "ring": ring, "reason": ""}
+    if found.get("ring") == "ok":
+        row["ring_grouping"] = found.get("ring_grouping")
+    return row
 
 
 # (tested on the CPU, tested on a GPU) -> the table's word
@@ -272,6 +276,8 @@ def render_table(rows: Sequence[dict[str, Any]]) -> str:
     for row in rows:
         reason = row.get("reason", "").replace("|", "\\|").replace("\n", " ")
         ring = row.get("ring") or "—"
+        if "ring_grouping" in row and row["ring_grouping"] is None:
+            ring += " (vLLM's grouping: groups of one layer)"
         lines.append(f"| {row['version']} | {row['status']} | {row.get('runner') or '—'} | {ring} | {reason or '—'} |")
     return "\n".join(lines) + "\n"
 

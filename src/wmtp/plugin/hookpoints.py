@@ -138,6 +138,11 @@ RING_POINTS: tuple[tuple[str, str | None, str | None, tuple[str, ...]], ...] = (
     ("vllm.v1.kv_cache_spec_registry", "KVCacheSpecRegistry", "_ensure_registered", ()),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "get_kv_cache_spec", ()),
 )
+# Where the ring stands its draft group apart from vLLM's grouping (wmtp.plugin.ring): the first of these modules
+# that has both functions. A vLLM with neither keeps its own grouping, and the ring still runs (more groups).
+RING_GROUPING_MODULES = ("vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning")
+RING_GROUPING_FUNCTION = "_get_kv_cache_groups_uniform_page_size"
+RING_GROUP_SPECS_FUNCTION = "create_kv_cache_group_specs"
 # Attributes the ring sets or reads on instances, as (module, class, attribute): each must be assigned as
 # ``self.<attribute>`` in that class. The manager's block lists and null block are what the ring frees from;
 # the proposer's set names the draft's attention layers.

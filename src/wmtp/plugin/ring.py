@@ -5,7 +5,9 @@ wmtp still holds them for the whole request, because the draft layer shares a KV
 one manager) with the target's full-attention layers. With ``"ring": true`` the draft layer gets its own group:
 
 - its spec is ``SinkWindowSpec`` (replaced in the model runner's ``get_kv_cache_spec``), a spec that no
-  full-attention spec merges with, so vLLM's hybrid grouping puts the draft layer into a group of its own;
+  full-attention spec merges with; vLLM's hybrid grouping is wrapped so that the draft layer's group stands apart
+  and the target's layers keep the groups they have without it (vLLM would size every group by the one-layer
+  draft type: groups of one layer, each with its own block table and metadata every step);
 - that group's manager, ``SinkWindowManager``, frees the blocks strictly between the sink and the window as the
   request's committed length grows, exactly as vLLM's sliding-window manager frees the blocks before its window;
 - the spec's peak per-request usage is bounded, so vLLM sizes the pool and counts the KV capacity in tokens with
@@ -38,6 +40,7 @@ from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
+from wmtp.plugin import hookpoints as hp
 from wmtp.plugin import window as win
 from wmtp.plugin.ring_math import (
     free_lag,
@@ -130,10 +133,50 @@ class SinkWindowManager(SingleTypeKVCacheManager):
             self.block_pool.free_blocks(taken)
 
 
+def _wrap_grouping(original, group_specs):
+    @functools.wraps(original)
+    def grouped(kv_cache_spec: dict[str, KVCacheSpec]) -> Any:
+        ring = {name: spec for name, spec in kv_cache_spec.items() if isinstance(spec, SinkWindowSpec)}
+        rest = {name: spec for name, spec in kv_cache_spec.items() if name not in ring}
+        if not ring or not rest:
+            return original(kv_cache_spec)
+        # vLLM sizes every group by its least numerous layer type: a draft group of one layer would split every other
+        # type into groups of one (41 on the 35B shape, each with a block table and attention metadata of its own
+        # every step). Grouped apart, as vLLM groups its hidden-state layers, the others keep their groups and a
+        # draft block costs the pages of one block of their group size.
+        return original(rest) + group_specs(ring, [sorted(ring)])
+
+    setattr(grouped, _ORIGINAL, original)
+    return grouped
+
+
+def grouping_module() -> Any:
+    """The vLLM module whose grouping the ring wraps, or None where vLLM keeps its own (hookpoints names them)."""
+    import importlib
+
+    for name in hp.RING_GROUPING_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, hp.RING_GROUPING_FUNCTION) and hasattr(module, hp.RING_GROUP_SPECS_FUNCTION):
+            return module
+    return None
+
+
 def _register() -> None:
     # vLLM registers its built-in specs only while the registry is empty: fill it first, then add ours.
     KVCacheSpecRegistry._ensure_registered()
     KVCacheSpecRegistry.register(SinkWindowSpec, SinkWindowManager)
+    # Imported in every process that groups KV specs (the engine core unpickles the workers' specs, ours among them).
+    module = grouping_module()
+    if module is None:
+        log.warning("wmtp: ring: this vLLM's KV cache grouping is not one the ring knows; vLLM groups around the draft")
+        return
+    current = getattr(module, hp.RING_GROUPING_FUNCTION)
+    if getattr(current, _ORIGINAL, None) is None:
+        wrapped = _wrap_grouping(current, getattr(module, hp.RING_GROUP_SPECS_FUNCTION))
+        setattr(module, hp.RING_GROUPING_FUNCTION, wrapped)
 
 
 _register()

@@ -21,7 +21,7 @@ proposer, and by unpickling a ``SinkWindowSpec`` in the engine core; importing i
 It runs on two generations of vLLM's KV cache manager, and relies only on what both have (``RING_POINTS``):
 
 - vLLM 0.24 hands ``remove_skipped_blocks`` the scheduler's optimistic count, which includes the tokens of a step
-  still running under async scheduling (drafts it may reject); later versions hand it the committed count. The
+  still running under async scheduling (drafts it may reject); 0.26 and later hand it the committed count. The
   spec carries ``free_lag``, the tokens to hold back for the first kind, so the freed range is the same;
 - the spec is built from the full-attention spec's fields (no ``replace_as`` in 0.24), and the range is freed by
   this manager itself (no ``_remove_blocks_in_range`` there);
@@ -61,7 +61,7 @@ RUNNER_CLASS = "GPUModelRunner"  # the CPU runner inherits get_kv_cache_spec fro
 SPEC_METHOD = "get_kv_cache_spec"
 # FullAttentionSpec's own fields: a draft layer that sets any of them is not plain full attention.
 FULL_ONLY_FIELDS = ("sliding_window", "attention_chunk_size", "non_causal")
-# The name vLLM gives remove_skipped_blocks's count where that count is committed tokens only (after 0.24).
+# The name vLLM gives remove_skipped_blocks's count where that count is committed tokens only (0.26 on).
 COMMITTED_COUNT = "processed_computed_tokens"
 
 

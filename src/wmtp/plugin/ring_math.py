@@ -31,7 +31,7 @@ def retained_blocks(sink: int, window: int, block_size: int, in_flight: int, max
 def in_flight_tokens(vllm_config: Any) -> int:
     """Tokens scheduled for requests but not yet settled: every batch in flight may hold a full token budget.
 
-    vLLM names this bound ``max_in_flight_tokens`` from 0.31 on; 0.24 has its parts.
+    vLLM names this bound ``max_in_flight_tokens`` from 0.26 on; 0.24 and 0.25 have its parts.
     """
     bound = getattr(vllm_config, "max_in_flight_tokens", None)
     if bound is None:
@@ -40,8 +40,8 @@ def in_flight_tokens(vllm_config: Any) -> int:
 
 
 def lookahead_tokens(vllm_config: Any) -> int:
-    """KV slots reserved past the target's tokens for the drafter; 0.24's scheduler reserves k, or k + 1 for one
-    method, and its config does not name the number: the bound takes k + 1 there."""
+    """KV slots reserved past the target's tokens for the drafter. vLLM's config names the number from 0.29 on;
+    before, its scheduler reserves k, or k + 1 for one method, and the bound takes k + 1."""
     reserved = getattr(vllm_config, "num_lookahead_tokens", None)
     if reserved is None:
         reserved = vllm_config.num_speculative_tokens + 1

@@ -73,6 +73,8 @@ def test_the_ring_runs_three_1m_requests_where_wmtp_runs_two(blocks):
     assert blocks["verdict"] == "ring admits one more"
     assert (plain["max_running"], ring["max_running"]) == (2, 3)
     assert plain["preemptions"] == ring["preemptions"] == 0
+    # no block freed where a step in flight could still read it, counted after every scheduling
+    assert ring["freed_but_readable"] == 0
     assert plain["finished"] == ring["finished"] == 3
     assert ring["draft_manager"] == "SinkWindowManager" and plain["draft_manager"] == "FullAttentionManager"
     # vLLM's grouping: wmtp keeps the draft among the 11 full-attention layers; the ring's draft group stands apart and
@@ -174,3 +176,23 @@ def test_the_committed_prediction_the_gpu_proof_reads_is_what_the_scheduler_give
         assert committed[key] == blocks[key], key
     assert committed["model"] == "Qwen3.6-35B-A3B"
     assert committed["arms"]["wmtp-ring"]["max_running"] == 3
+
+
+@pytest.mark.engine
+def test_a_lag_short_of_the_batch_in_flight_frees_what_a_step_still_reads(
+    engine_python, gpu_vllm_sources, model_35b, engine_env, tmp_path
+):
+    """The control of the read-set count above: under async scheduling vLLM 0.24 frees at a count that includes the
+    batch in flight; without the ring's lag, blocks go back while that batch's draft reads them. At 60,000 tokens the
+    ring's group also stays in vLLM's own grouping: apart, its bound at ten pages a block would cost more than the
+    draft's whole context."""
+    out = tmp_path / "control.json"
+    argv = ["-m", "wmtp.measure.ring_blocks", "--model", str(model_35b), "--out", str(out), "--window", "4096"]
+    argv += ["--prompt-tokens", "60000", "--chunk", str(CHUNK), "--async-scheduling", "--free-lag", "0"]
+    proc = _run(engine_python, gpu_vllm_sources, argv, engine_env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    ring = result["arms"]["wmtp-ring"]
+    assert ring["draft_free_lag"] == 0 and ring["freed_but_readable"] > 0
+    assert ring["groups"] == 41 and "in vLLM's own grouping" in proc.stdout + proc.stderr
+    assert result["reclaimed_fraction"] > 0

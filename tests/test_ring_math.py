@@ -17,6 +17,7 @@ from wmtp.plugin.ring_math import (
     lookahead_tokens,
     retained_blocks,
     spec_fields,
+    stands_apart,
 )
 
 NULL = object()
@@ -122,3 +123,12 @@ def test_a_spec_carries_its_fields_and_refuses_to_lose_one_that_matters():
         spec_fields(_Full(block_size=16, num_kv_heads=2, head_size=64, head_size_v=128), _Ring, drop)
     with pytest.raises(NotImplementedError, match="sliding_window"):
         spec_fields(_Full(block_size=16, num_kv_heads=2, head_size=64, sliding_window=128), _Ring, ("non_causal",))
+
+
+def test_the_draft_stands_apart_only_where_its_bound_costs_less_than_its_context():
+    # the 35B shape at 1M: 39 blocks at ten pages against 1,858 blocks of context
+    assert stands_apart(10, 39, 1858)
+    # at 60,000 tokens the same bound would cost 390 pages for a context of 108
+    assert not stands_apart(10, 39, 108)
+    # groups of one layer cost nothing extra
+    assert stands_apart(1, 39, 108)

@@ -196,15 +196,16 @@ def fetch_sources(version: str, dest: Path) -> dict[str, Any]:
         wheel = zipfile.ZipFile(io.BufferedReader(remote, buffer_size=1 << 16))
         spans = member_spans(wheel, python_member)
         remote.prefetch(spans)
-        partial = dest.with_name(dest.name + ".partial")
+        # Unpacked beside, then swapped in: only dest/vllm is replaced, nothing else in dest.
+        partial = dest / "vllm.partial"
         shutil.rmtree(partial, ignore_errors=True)
         names = [name for name in wheel.namelist() if python_member(name)]
         for name in names:
-            target = partial / name
+            target = partial / name.removeprefix("vllm/")
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(wheel.read(name))
-    shutil.rmtree(dest, ignore_errors=True)
-    partial.rename(dest)
+    shutil.rmtree(dest / "vllm", ignore_errors=True)
+    partial.rename(dest / "vllm")
     return {
         "version": version,
         "wheel": url,

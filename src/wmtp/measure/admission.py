@@ -178,7 +178,9 @@ def _engine(model: Path, ring: bool, args: argparse.Namespace, kv_bytes: int | N
     }
     # A GPU run adds its own (load_format "dummy", the recurrent layers' prefill backend, …); never the proof's.
     extra = json.loads(getattr(args, "engine_kwargs", None) or "{}")
-    clash = sorted(set(extra) & {"max_model_len", "kv_cache_memory_bytes", "speculative_config", "additional_config"})
+    proofs = {"max_model_len", "kv_cache_memory_bytes", "speculative_config", "additional_config"}
+    proofs |= {"max_num_batched_tokens", "enable_prefix_caching", "seed"}
+    clash = sorted(set(extra) & proofs)
     if clash:
         raise ValueError(f"--engine-kwargs may not set {clash}: the proof sets them")
     return LLM(**{**settings, **extra})
@@ -195,7 +197,20 @@ def _capacity(llm: Any) -> dict[str, Any]:
         spec = group.kv_cache_spec
         needed = -(-spec.max_memory_usage_bytes(config) // spec.page_size_bytes)
         pages.append(f"{type(spec).__name__} ×{len(group.layer_names)} layers: {needed}")
+    draft = next(
+        (
+            g.kv_cache_spec
+            for g in core.scheduler.kv_cache_config.kv_cache_groups
+            if hasattr(g.kv_cache_spec, "free_lag")
+        ),
+        None,
+    )
     return {
+        "async_scheduling": bool(config.scheduler_config.async_scheduling),
+        "block_size": cache.block_size,
+        "kv_cache_groups": len(core.scheduler.kv_cache_config.kv_cache_groups),
+        "draft_blocks_limit": getattr(draft, "max_blocks_per_request", None),
+        "draft_free_lag": getattr(draft, "free_lag", None),
         "pages_by_group": "; ".join(pages),
         "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
         "num_blocks": cache.num_gpu_blocks,
@@ -246,13 +261,17 @@ def _serve_at_once(
     for i, prompt in enumerate(prompts):
         llm.llm_engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     steps, outputs = [], {}
+    # Under async scheduling a call schedules the next batch and waits for the one before: its time is that one's,
+    # so its label is the batch read before the previous call (one call back per batch in flight beyond the first).
+    lag = llm.llm_engine.vllm_config.max_concurrent_batches - 1
+    labels: list[int] = []
     while llm.llm_engine.has_unfinished_requests():
-        batch = _decoding(llm) if timed is not None else 0
+        labels.append(_decoding(llm) if timed is not None else 0)
         started = time.perf_counter()
         results = llm.llm_engine.step()
-        if timed is not None:
-            # The engine loop's own step: schedule, the forward and its drafts, the outputs; the batch it started with.
-            timed.append((batch, 1e3 * (time.perf_counter() - started)))
+        if timed is not None and len(labels) > lag:
+            # The engine loop's own step: schedule, the forward and its drafts, the outputs.
+            timed.append((labels[-1 - lag], 1e3 * (time.perf_counter() - started)))
         for result in results:
             if result.finished:
                 done = result.outputs[0]
@@ -350,6 +369,10 @@ def combine(records: Sequence[dict[str, Any]], eps: float = NEAR_TIE) -> dict[st
             raise ValueError(f"arm {record['arm']} ran with other {differ} than arm wmtp: not one proof")
     if by_arm["wmtp"]["kv_cache_memory_bytes"] != by_arm["wmtp-ring"]["kv_cache_memory_bytes"]:
         raise ValueError("wmtp and wmtp-ring must run in the same KV cache memory")
+    for key in ("async_scheduling", "block_size"):
+        found = {arm: record.get(key) for arm, record in by_arm.items()}
+        if len(set(found.values())) > 1:
+            raise ValueError(f"the arms ran with other {key}: {found}")
     outputs = {arm: [Output(**o) for o in record["outputs"]] for arm, record in by_arm.items()}
     measured = {
         arm: {k: v for k, v in record.items() if k not in ("outputs", *SETTINGS)} for arm, record in by_arm.items()

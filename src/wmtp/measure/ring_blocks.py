@@ -26,6 +26,7 @@ the KV manager admits it, frees what it should and never holds more than the rin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -117,7 +118,7 @@ def engine_config(args: argparse.Namespace, ring: bool) -> Any:
     return config
 
 
-def layer_specs(config: Any, ring: bool, sink: int, window: int) -> dict[str, Any]:
+def layer_specs(config: Any, ring: bool, sink: int, window: int, free_lag: int | None = None) -> dict[str, Any]:
     """Each layer's KV cache spec as the model's layers make theirs; the draft layer's through the ring."""
     import torch
     from vllm.model_executor.models.registry import ModelRegistry
@@ -153,6 +154,8 @@ def layer_specs(config: Any, ring: bool, sink: int, window: int) -> dict[str, An
         from wmtp.plugin import ring as ring_module
 
         draft = ring_module.sink_window_spec(attention, win.WindowConfig(sink=sink, window=window, ring=True), config)
+        if free_lag is not None:
+            draft = dataclasses.replace(draft, free_lag=free_lag)
     specs["mtp.layers.0.self_attn.attn"] = draft
     return specs
 
@@ -196,6 +199,28 @@ def _scheduler(config: Any, kv: Any) -> Any:
         block_size=scheduler_block_size,
         hash_block_size=hash_block_size,
     )
+
+
+def freed_but_readable(manager: Any, batches: list[dict[str, int]]) -> int:
+    """Draft blocks already freed that a step in flight may still read, counted after each scheduling.
+
+    A step's draft reads from W tokens before the first token it computes; no later step starts before it. So for
+    each request the oldest step in flight (``batches``: each step's first token per request) sets where reading
+    begins, and no block from there on may be vLLM's null block. The sink's blocks are never freed.
+    """
+    window = getattr(manager.kv_cache_spec, "window", None)
+    if window is None:
+        return 0
+    earliest: dict[str, int] = {}
+    for starts in batches:
+        for rid, start in starts.items():
+            earliest[rid] = min(start, earliest.get(rid, start))
+    found = 0
+    for rid, start in earliest.items():
+        blocks = manager.req_to_blocks.get(rid, [])
+        first = max(start - window, 0) // manager.block_size
+        found += sum(1 for block in blocks[first:] if block.is_null)
+    return found
 
 
 def stand_in_output(scheduler: Any, out: Any, decodes: int) -> Any:
@@ -244,7 +269,8 @@ def serve(config: Any, kv: Any, prompt_tokens: int, output_tokens: int, requests
         i for i, g in enumerate(kv.kv_cache_groups) if any(name.startswith("mtp.") for name in g.layer_names)
     )
     draft_manager = scheduler.kv_cache_manager.coordinator.single_type_managers[draft_group]
-    batches: deque[tuple[Any, Any]] = deque()
+    batches: deque[tuple[Any, Any, dict[str, int]]] = deque()
+    unread = 0
     steps: list[dict[str, float]] = []
     draft_held: list[int] = []
     preemptions = decodes = 0
@@ -255,16 +281,19 @@ def serve(config: Any, kv: Any, prompt_tokens: int, output_tokens: int, requests
         if len(steps) > 100 * requests * (prompt_tokens + output_tokens):
             raise RuntimeError(f"the scheduler ran {len(steps)} steps and {len(finished)} of {requests} finished")
         if scheduler.has_requests() and len(batches) < in_flight:
+            starts = {rid: request.num_computed_tokens for rid, request in scheduler.requests.items()}
             started = time.perf_counter()
             out = scheduler.schedule()
             schedule_s = time.perf_counter() - started
+            starts = {rid: starts.get(rid, 0) for rid in out.num_scheduled_tokens}
+            unread += freed_but_readable(draft_manager, [*(b[2] for b in batches), starts])
             preemptions += len(getattr(out, "preempted_req_ids", None) or ())
             result = stand_in_output(scheduler, out, decodes)
             decodes += sum(1 for tokens in result.sampled_token_ids if tokens)
-            batches.append((out, result))
+            batches.append((out, result, starts))
             if len(batches) < in_flight and scheduler.has_requests():
                 continue
-        out, result = batches.popleft()
+        out, result, _ = batches.popleft()
         started = time.perf_counter()
         updated = scheduler.update_from_output(out, result)
         if all(result.sampled_token_ids) and in_flight == 1:
@@ -298,6 +327,8 @@ def serve(config: Any, kv: Any, prompt_tokens: int, output_tokens: int, requests
         "draft_blocks_held_max": max(draft_held, default=0),
         "draft_blocks_limit": getattr(draft_manager.kv_cache_spec, "max_blocks_per_request", None),
         "draft_free_lag": getattr(draft_manager.kv_cache_spec, "free_lag", None),
+        # Blocks freed where a step in flight (or the one just scheduled) can still read: none, if the ring is right.
+        "freed_but_readable": unread,
         "min_free_blocks": int(min(s["free"] for s in steps)),
         # Timed here only without async scheduling, where a step's schedule and update are one after the other.
         "scheduler_us_per_decode_step": {
@@ -341,7 +372,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     configs, specs, per_request = {}, {}, {}
     for arm, ring in (("wmtp", False), ("wmtp-ring", True)):
         configs[arm] = engine_config(args, ring)
-        specs[arm] = layer_specs(configs[arm], ring, args.sink, args.window)
+        specs[arm] = layer_specs(configs[arm], ring, args.sink, args.window, args.free_lag)
         probe = capacity(configs[arm], kv_cache_config(configs[arm], specs[arm], args.probe_bytes))
         per_request[arm] = args.probe_bytes / probe["max_concurrency"]
     out["block_size"] = configs["wmtp"].cache_config.block_size
@@ -378,6 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=8192, help="prefill chunk (max_num_batched_tokens)")
     parser.add_argument("--async-scheduling", action="store_true", help="as vLLM serves by default on a GPU")
     parser.add_argument("--probe-bytes", type=int, default=64 << 30, help="KV memory of the sizing configs")
+    parser.add_argument(
+        "--free-lag",
+        type=int,
+        help="the ring's lag in tokens instead of its own (a control: too small a lag frees early)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")

@@ -50,6 +50,7 @@ from wmtp.plugin.ring_math import (
     lookahead_tokens,
     retained_blocks,
     spec_fields,
+    stands_apart,
 )
 
 log = logging.getLogger("vllm.wmtp")
@@ -75,6 +76,8 @@ class SinkWindowSpec(AttentionSpec):
     max_blocks_per_request: int
     # free_lag() at the engine's settings: the engine core's manager frees at its count minus this.
     free_lag: int = 0
+    # Blocks of a request at max_model_len: what the draft layer would hold without the ring.
+    full_blocks: int = 0
 
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         return self.max_blocks_per_request * self.page_size_bytes
@@ -120,6 +123,14 @@ class SinkWindowManager(SingleTypeKVCacheManager):
         # prefix, so it has none to share (vLLM 0.24 asks every manager; later versions only some).
         return 0
 
+    def allocate_new_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        new = super().allocate_new_blocks(request_id, *args, **kwargs)
+        if not hasattr(self, "_record_new_block_ids"):
+            # vLLM 0.24 lists the spec types whose new blocks the worker zeroes (on hybrids, where a block may last
+            # have held a recurrent state); later versions take every attention spec. Zeroed as wmtp's draft is.
+            self.new_block_ids.extend(block.block_id for block in new)
+        return new
+
     def remove_skipped_blocks(
         self, request_id: str, computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
@@ -140,11 +151,25 @@ def _wrap_grouping(original, group_specs):
         rest = {name: spec for name, spec in kv_cache_spec.items() if name not in ring}
         if not ring or not rest:
             return original(kv_cache_spec)
-        # vLLM sizes every group by its least numerous layer type: a draft group of one layer would split every other
-        # type into groups of one (41 on the 35B shape, each with a block table and attention metadata of its own
-        # every step). Grouped apart, as vLLM groups its hidden-state layers, the others keep their groups and a
-        # draft block costs the pages of one block of their group size.
-        return original(rest) + group_specs(ring, [sorted(ring)])
+        # vLLM sizes every group by its least numerous layer type: a draft group of one layer splits every other type
+        # into groups of one (41 on the 35B shape, each with a block table and attention metadata of its own every
+        # step). Grouped apart, as vLLM groups its hidden-state layers, the others keep their groups, but a draft
+        # block then costs the pages of a block of their group size: worth it only where that still holds less than
+        # the draft's full context.
+        groups = original(rest)
+        group_size = max(len(group.layer_names) for group in groups)
+        draft = next(iter(ring.values()))
+        if not stands_apart(group_size, draft.max_blocks_per_request, draft.full_blocks):
+            log.info(
+                "wmtp: ring: the draft's group in vLLM's own grouping (apart, its %d blocks a request would cost %d "
+                "pages, its full context %d)",
+                draft.max_blocks_per_request,
+                group_size * draft.max_blocks_per_request,
+                draft.full_blocks,
+            )
+            return original(kv_cache_spec)
+        log.info("wmtp: ring: the draft's group stands apart; the others keep groups of %d layers", group_size)
+        return groups + group_specs(ring, [sorted(ring)])
 
     setattr(grouped, _ORIGINAL, original)
     return grouped
@@ -197,6 +222,7 @@ def sink_window_spec(spec: KVCacheSpec, config: win.WindowConfig, vllm_config: A
         sink=config.sink,
         window=config.window,
         max_blocks_per_request=limit,
+        full_blocks=-(-vllm_config.model_config.max_model_len // spec.block_size),
         free_lag=free_lag(
             count_is_committed(),
             vllm_config.max_concurrent_batches,

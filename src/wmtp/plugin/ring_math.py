@@ -102,3 +102,10 @@ def freed_blocks(processed: int, sink: int, window: int, block_size: int) -> tup
     """
     first = win.sink_blocks(sink, block_size)
     return first, max(first, max(processed - window, 0) // block_size)
+
+
+def stands_apart(group_size: int, bound_blocks: int, full_blocks: int) -> bool:
+    """Whether the draft's group stands apart from vLLM's grouping: its bound, each block at the pages of a block of
+    the others' ``group_size``, must cost less than its ``full_blocks`` would cost wmtp (a page each, among the
+    full-attention layers). Otherwise vLLM's own grouping (groups of one layer) keeps the ring's saving whole."""
+    return group_size * bound_blocks < full_blocks

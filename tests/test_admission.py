@@ -270,7 +270,10 @@ def _record(arm: str, kv: int, concurrency: float, running: int, ids: list[list[
         "kv_cache_memory_bytes": kv,
         "max_concurrency": concurrency,
         "bytes_per_request": kv / concurrency,
+        "requests": 3,
+        "steps": 1200,
         "max_running": running,
+        "steps_with_waiting": 254 if running == 3 else 500,
         "preemptions": 0,
         "all_at_once": running == 3,
         "decode_step_ms": {"3": {"median": 15.0, "p10": 14.0, "p90": 16.0, "n": 900}},
@@ -291,6 +294,7 @@ def test_three_arm_records_of_separate_runs_make_one_proof():
     assert set(proof["arms"]) == {"wmtp", "wmtp-ring"} and proof["same_batches"]["max_running"] == 3
     assert "outputs" not in proof["arms"]["wmtp-ring"] and proof["arms"]["wmtp-ring"]["decode_step_ms"]["3"]["n"] == 900
     # a ring whose tokens differ from wmtp's in the same batches is no proof of the same output
+    assert all("engine" not in arm and "arm" not in arm for arm in proof["arms"].values())
     differs = adm.combine([*records[:2], _record("wmtp-ring", 60, 2.8, 3, [[1, 2], [3, 4], [5, 7]])])
     assert differs["same_output"] is False and differs["verdict"] == "ring admits one more"
 
@@ -312,3 +316,20 @@ def test_decode_steps_are_timed_per_batch_size_and_prefill_steps_left_out():
     assert set(times) == {"1", "3"}
     assert times["1"]["median"] == 11.0 and times["1"]["n"] == 3 and times["3"]["n"] == 1
     assert times["1"]["p10"] <= times["1"]["median"] <= times["1"]["p90"]
+
+
+def test_a_combined_proof_becomes_the_report_table_under_its_files_engine_name(tmp_path):
+    ids = [[1, 2], [3, 4], [5, 6]]
+    records = [
+        _record("wmtp, all at once", 80, 3.4, 3, ids),
+        _record("wmtp", 60, 2.55, 2, ids),
+        _record("wmtp-ring", 60, 2.8, 3, ids),
+    ]
+    path = tmp_path / "qwen3.6-35b-a3b~vllm.json"
+    path.write_text(json.dumps(adm.combine(records)))
+    table = admission_table([path])
+    assert list(table["arm"]) == ["wmtp", "wmtp-ring"] and set(table["engine"]) == {"vllm"}
+    tidy = Tidy(requests=pd.DataFrame(), rungs=pd.DataFrame(), positions=pd.DataFrame(), admission=table)
+    section = admission_section(tidy)
+    assert list(section.frame["most running at once"]) == [2, 3]
+    assert section.notes[0].startswith("qwen3.6-35b-a3b on vllm: ring admits one more")

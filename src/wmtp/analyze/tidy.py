@@ -600,7 +600,7 @@ def admission_table(files: list[Path]) -> pd.DataFrame:
                 }
             )
         for arm, measured in found["arms"].items():
-            row = {"model": model, "engine": engine, "arm": arm, **shared, **measured}
+            row = {**shared, **measured, "model": model, "engine": engine, "arm": arm}
             predicted = found.get("predicted") or {}
             row.update(
                 same_output=found["same_output"],

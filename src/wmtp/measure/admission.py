@@ -374,9 +374,9 @@ def combine(records: Sequence[dict[str, Any]], eps: float = NEAR_TIE) -> dict[st
         if len(set(found.values())) > 1:
             raise ValueError(f"the arms ran with other {key}: {found}")
     outputs = {arm: [Output(**o) for o in record["outputs"]] for arm, record in by_arm.items()}
-    measured = {
-        arm: {k: v for k, v in record.items() if k not in ("outputs", *SETTINGS)} for arm, record in by_arm.items()
-    }
+    # Per arm what it measured; what is the same for all (settings, the engine's version) is said once, above.
+    shared = ("outputs", "arm", "engine", *SETTINGS)
+    measured = {arm: {k: v for k, v in record.items() if k not in shared} for arm, record in by_arm.items()}
     check = output_check(outputs, eps)
     plain, ring = measured["wmtp"], measured["wmtp-ring"]
     return {

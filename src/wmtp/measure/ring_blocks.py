@@ -19,8 +19,10 @@ Then N + 1 requests arrive at once and vLLM's ``Scheduler`` schedules them step 
 ``allocate_slots`` and the ring's manager, while this module plays the model: a prefill step samples nothing,
 a decode step accepts a fixed pattern of the drafts and proposes k more. After each step it reads the
 scheduler's state: requests running and waiting, preemptions, the pool's free blocks and the draft group's
-blocks per request. What the GPU then has to show is the same count with real kernels; what this shows is that
-the KV manager admits it, frees what it should and never holds more than the ring's bound.
+blocks per request; after each scheduling it counts the draft blocks already freed that a step in flight may still
+read (``freed_but_readable``: none, if the ring is right). What the GPU then has to show is the same count with
+real kernels; what this shows is that the KV manager admits it, frees what it should and never holds more than the
+ring's bound.
 """
 
 from __future__ import annotations

@@ -158,6 +158,13 @@ def unpack_sources(wheel: zipfile.ZipFile, dest: Path) -> Path:
     return dest / "vllm"
 
 
+def release_index(client: Any) -> dict:
+    """vLLM's PyPI index page, as JSON (PEP 691)."""
+    index = client.get(INDEX_URL, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    index.raise_for_status()
+    return index.json()
+
+
 def member_spans(wheel: zipfile.ZipFile, wanted: Callable[[str], bool]) -> list[tuple[int, int]]:
     """Byte ranges of the archive that hold the ``wanted`` members (local header and data), neighbours merged."""
     members = sorted(wheel.infolist(), key=lambda info: info.header_offset)
@@ -189,9 +196,7 @@ def fetch_sources(version: str, dest: Path) -> dict[str, Any]:
     import httpx
 
     with httpx.Client(timeout=300, follow_redirects=True) as client:
-        index = client.get(INDEX_URL, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-        index.raise_for_status()
-        url, size = wheel_url(index.json(), version)
+        url, size = wheel_url(release_index(client), version)
         remote = RangeFile(url, size, client.stream)
         wheel = zipfile.ZipFile(io.BufferedReader(remote, buffer_size=1 << 16))
         spans = member_spans(wheel, python_member)
@@ -357,11 +362,10 @@ def check_versions(versions: Sequence[str]) -> list[dict[str, Any]]:
     import httpx
 
     with httpx.Client(timeout=120, follow_redirects=True) as client:
-        index = client.get(INDEX_URL, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-        index.raise_for_status()
+        index = release_index(client)
         out = []
         for version in versions:
-            url, size = wheel_url(index.json(), version)
+            url, size = wheel_url(index, version)
             remote = RangeFile(url, size, client.stream)
             with tempfile.TemporaryDirectory() as tmp:
                 root = unpack_sources(zipfile.ZipFile(io.BufferedReader(remote, buffer_size=1 << 16)), Path(tmp))

@@ -238,7 +238,8 @@ def _decoding(llm: Any) -> int:
 
 
 def step_times(samples: Sequence[tuple[int, float]]) -> dict[str, dict[str, float]]:
-    """Per batch size, the median, 10th and 90th percentile and count of the decode steps' durations (ms)."""
+    """Per batch size, the median, 10th and 90th percentile and count of the decode steps' durations (in the
+    samples' unit); samples of batch 0 (a step that prefilled) are left out."""
     import statistics
 
     by_batch: dict[int, list[float]] = {}

@@ -35,7 +35,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from wmtp.measure.admission import AdmissionUnsized, kv_bytes_for, summarize_steps, verdict
+from wmtp.measure.admission import AdmissionUnsized, kv_bytes_for, step_times, summarize_steps, verdict
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,6 @@ def serve(config: Any, kv: Any, prompt_tokens: int, output_tokens: int, requests
     Steps go through a queue as deep as the engine's concurrent batches, as vLLM's engine core runs them: under
     async scheduling the next step is scheduled before the last one's tokens are back, its drafts placeholders.
     """
-    import statistics
     import time
     from collections import deque
 
@@ -278,7 +277,7 @@ def serve(config: Any, kv: Any, prompt_tokens: int, output_tokens: int, requests
     preemptions = decodes = 0
     finished: set[str] = set()
     # The scheduler's own host time in steps that only decode (schedule plus update), per batch size.
-    decode_us: dict[int, list[float]] = {}
+    decode_us: list[tuple[int, float]] = []
     while len(finished) < requests:
         if len(steps) > 100 * requests * (prompt_tokens + output_tokens):
             raise RuntimeError(f"the scheduler ran {len(steps)} steps and {len(finished)} of {requests} finished")
@@ -299,7 +298,7 @@ def serve(config: Any, kv: Any, prompt_tokens: int, output_tokens: int, requests
         started = time.perf_counter()
         updated = scheduler.update_from_output(out, result)
         if all(result.sampled_token_ids) and in_flight == 1:
-            decode_us.setdefault(len(result.req_ids), []).append(1e6 * (schedule_s + time.perf_counter() - started))
+            decode_us.append((len(result.req_ids), 1e6 * (schedule_s + time.perf_counter() - started)))
         for engine_outputs in updated.values():
             for output in engine_outputs.outputs:
                 if output.finish_reason is not None:
@@ -333,10 +332,7 @@ def serve(config: Any, kv: Any, prompt_tokens: int, output_tokens: int, requests
         "freed_but_readable": unread,
         "min_free_blocks": int(min(s["free"] for s in steps)),
         # Timed here only without async scheduling, where a step's schedule and update are one after the other.
-        "scheduler_us_per_decode_step": {
-            str(batch): {"median": statistics.median(times), "n": len(times)}
-            for batch, times in sorted(decode_us.items())
-        },
+        "scheduler_us_per_decode_step": step_times(decode_us),
     }
 
 

@@ -43,6 +43,7 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 from wmtp.plugin import hookpoints as hp
 from wmtp.plugin import window as win
 from wmtp.plugin.ring_math import (
+    cdiv,
     free_lag,
     free_range,
     freed_blocks,
@@ -222,7 +223,7 @@ def sink_window_spec(spec: KVCacheSpec, config: win.WindowConfig, vllm_config: A
         sink=config.sink,
         window=config.window,
         max_blocks_per_request=limit,
-        full_blocks=-(-vllm_config.model_config.max_model_len // spec.block_size),
+        full_blocks=cdiv(vllm_config.model_config.max_model_len, spec.block_size),
         free_lag=free_lag(
             count_is_committed(),
             vllm_config.max_concurrent_batches,

@@ -12,7 +12,8 @@ from typing import Any
 from wmtp.plugin import window as win
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
+    """Whole blocks of ``b`` that hold ``a``."""
     return -(-a // b)
 
 
@@ -24,8 +25,8 @@ def retained_blocks(sink: int, window: int, block_size: int, in_flight: int, max
     tokens and lookahead slots): ceil((W + in_flight) / B) + 1 blocks, the +1 because c - W need not sit
     on a block boundary. Never more than a full-context request.
     """
-    bounded = win.sink_blocks(sink, block_size) + _cdiv(window + in_flight, block_size) + 1
-    return min(bounded, _cdiv(max_model_len, block_size))
+    bounded = win.sink_blocks(sink, block_size) + cdiv(window + in_flight, block_size) + 1
+    return min(bounded, cdiv(max_model_len, block_size))
 
 
 def in_flight_tokens(vllm_config: Any) -> int:

@@ -193,8 +193,8 @@ def window_forward(
     return windowed, None if cycle is None else cycle.dropped, False
 
 
-# "triton": on a GPU, window with the plugin's own Triton kernels (wmtp.plugin.fused: k launches a cycle instead of
-# about a dozen); anything else, or unset, the PyTorch operations the GPU proofs have passed on.
+# On a GPU the plugin windows with its own Triton kernels (wmtp.plugin.fused: k launches a cycle instead of about a
+# dozen); "torch" here keeps the PyTorch operations, the path every CPU takes.
 KERNELS_ENV = "WMTP_WINDOW_KERNELS"
 
 
@@ -208,9 +208,9 @@ def _buffers(state: _State, table: torch.Tensor) -> Any:
 def _make_buffers(state: _State, device: torch.device) -> None:
     """Once a proposer: the window kernels' buffers on a GPU, their kernels compiled, and from then on the count of
     dropped blocks kept on the device by them; False where the PyTorch path windows (a CPU, no Triton, or
-    ``WMTP_WINDOW_KERNELS`` other than "triton")."""
+    ``WMTP_WINDOW_KERNELS=torch``)."""
     state.buffers = False
-    if device.type != "cuda" or os.environ.get(KERNELS_ENV, "torch") != "triton":
+    if device.type != "cuda" or os.environ.get(KERNELS_ENV, "triton") == "torch":
         return
     try:
         from wmtp.plugin import fused

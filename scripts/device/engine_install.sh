@@ -26,7 +26,7 @@
 # Usage: engine_install.sh [--reset] [PART] [--install] [--wmtp] [--manifest FILE]
 set -euo pipefail
 
-dir=/tmp/wmtp-engine
+dir=${ENGINE_DIR:-/tmp/wmtp-engine} # ENGINE_DIR=/tmp/wmtp-sglang for SGLang's parts
 tar_file=$dir/engine.tar
 log=$dir/parts.log  # one line per appended part: index, sha256, size in bytes
 python=${PYTHON:-python3}
@@ -201,4 +201,7 @@ echo "engine_install: PYTHONPATH=$PYTHONPATH"
 PYTHONPATH=$PWD/src:$PYTHONPATH "$python" -c 'import pandas, pyarrow, pydantic, yaml, httpx, tokenizers, jinja2, wmtp' ||
   die "the image and the carried set lack a module the workflow needs (above)"
 echo "engine_install: snakemake $("$python" -m snakemake --version)"
-"$python" -c 'import vllm; print(vllm.__version__)'
+# The engine the parts carried: vLLM's or SGLang's version.
+"$python" -c 'import importlib.util as u
+name = "vllm" if u.find_spec("vllm") else "sglang"
+print(name, __import__(name).__version__)'

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Build the carry set of the vLLM engine for an H200 that has no package index: every wheel that vLLM
-# (VLLM_VERSION, default 0.24.0, the CUDA build) and Snakemake (the version pyproject.toml pins) need at run time
-# on CPython 3.12 / x86-64 manylinux, less the packages the H200's image already holds, packed into one tar and
-# cut into parts small enough to travel with one run on the H200 each. Snakemake travels with the engine so that
+# Build the carry set of an engine for an H200 that has no package index: every wheel that vLLM (VLLM_VERSION,
+# default 0.24.0, the CUDA build) or, with ENGINE=sglang, SGLang (SGLANG_VERSION, default 0.5.17) and Snakemake (the
+# version pyproject.toml pins) need at run time on CPython 3.12 / x86-64 manylinux, less the packages the H200's
+# image already holds, packed into one tar and cut into parts small enough to travel with one run on the H200 each. Snakemake travels with the engine so that
 # the H200 runs the workflow itself (docs/gpu.md); the two are resolved together, so they agree on every package
 # they share.
 #
 # Runs here, where pip reaches the package index:
 #   bash scripts/device/engine_wheels.sh [OUT_DIR]          # OUT_DIR defaults to .gpu-inputs/engine-parts
+#   ENGINE=sglang bash scripts/device/engine_wheels.sh      # SGLang's set, in .gpu-inputs/sglang-parts
 #
 # It resolves vLLM's and Snakemake's requirements with `pip install --dry-run --report` for the H200's interpreter
 # and platform (the versions the image is known to hold are passed as constraints, so the carried packages
@@ -25,13 +26,17 @@
 #   run 1:    bash scripts/device/engine_install.sh .gpu-inputs/engine-parts/engine.tar.part-000
 #   run k:    bash scripts/device/engine_install.sh .gpu-inputs/engine-parts/engine.tar.part-<k-1>
 #   last run: bash scripts/device/engine_install.sh .gpu-inputs/engine-parts/engine.tar.part-<last> --install
-# and the engine's own run follows within 30 s, with PYTHONPATH=/tmp/wmtp-engine/site.
+# and the engine's own run follows within 30 s, with PYTHONPATH=/tmp/wmtp-engine/site. SGLang's parts install
+# the same way, each run with ENGINE_DIR=/tmp/wmtp-sglang, into /tmp/wmtp-sglang/site: the two engines pin
+# different transformers, so neither shares the other's site.
 #
 # A run on the H200 carries at most 64 MiB, the repository's working tree included, so PART_SIZE
 # defaults to 50M (the tree is about 8 MiB); raise it only while part + tree stays under that.
 #
 # Environment:
+#   ENGINE         vllm (default) or sglang
 #   VLLM_VERSION   vLLM release to carry (default 0.24.0)
+#   SGLANG_VERSION SGLang release to carry (default 0.5.17: the last that pins the image's torch 2.11)
 #   SNAKEMAKE_VERSION  Snakemake release to carry (default: the one pyproject.toml pins)
 #   PYTHON         interpreter that runs pip; a CPython 3.12 is preferred, because pip evaluates
 #                  environment markers (python_version) against the interpreter that runs it
@@ -43,7 +48,10 @@
 # Left out by default (LAZY_KERNELS): kernel libraries that vLLM imports only inside backends the H200 cells do
 # not select (the CuTe-DSL GDN prefill, FlashInfer's prebuilt cubins, TileLang, TokenSpeed, CUTLASS' Python DSL
 # and the CUDA compiler it drives). The cells serve FLASH_ATTN with `--gdn-prefill-backend triton`. Without them
-# the set is about 380 MB instead of 1.3 GB: seven parts instead of 23.
+# the set is about 380 MB instead of 1.3 GB: seven parts instead of 23. SGLang's (SGLANG_LAZY_KERNELS) are the
+# Blackwell-only kernels and the compilers and solvers behind them; sgl-deep-gemm stays, because the draft's CUDA
+# graph capture imports it. SGLang pins a transformers older than the image's, whose newer one some of its model
+# modules do not import with, so its set carries its own transformers and tokenizers (TRANSFORMERS_CARRIED).
 #
 # Left out of Snakemake's set (UNUSED_BY_SNAKEMAKE): PuLP, 16 MB with the solver binaries it bundles, which only
 # Snakemake's ILP scheduler imports; profiles/h200 schedules greedily (one GPU job at a time needs no solver).
@@ -53,11 +61,21 @@ set -euo pipefail
 LAZY_KERNELS="flashinfer-cubin tokenspeed-triton tokenspeed-mla nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base
   nvidia-cutlass-dsl-libs-cu13 nvidia-nvvm nvidia-cuda-nvcc nvidia-cuda-crt nvidia-cuda-cccl nvidia-cuda-tileiras
   cuda-tile tilelang z3-solver quack-kernels humming-kernels"
+SGLANG_LAZY_KERNELS="tokenspeed-triton tokenspeed-mla nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base
+  nvidia-cutlass-dsl-libs-core nvidia-cutlass-dsl-libs-cu12 nvidia-cutlass-dsl-libs-cu13 flash-attn-4 quack-kernels
+  tilelang z3-solver nvidia-mathdx humming-kernels nvidia-cuda-nvcc nvidia-cuda-nvdisasm nvidia-cuda-cccl cuda-tile
+  nvidia-nvvm"
+TRANSFORMERS_CARRIED="transformers tokenizers"
 UNUSED_BY_SNAKEMAKE="pulp"
 PURE_SDISTS="connection-pool"
 
-out=${1:-.gpu-inputs/engine-parts}
-vllm_version=${VLLM_VERSION:-0.24.0}
+engine=${ENGINE:-vllm}
+case $engine in
+  vllm) requirement="vllm==${VLLM_VERSION:-0.24.0}" lazy=$LAZY_KERNELS default_out=.gpu-inputs/engine-parts ;;
+  sglang) requirement="sglang==${SGLANG_VERSION:-0.5.17}" lazy=$SGLANG_LAZY_KERNELS default_out=.gpu-inputs/sglang-parts ;;
+  *) echo "engine_wheels: error: ENGINE is vllm or sglang, not $engine" >&2; exit 1 ;;
+esac
+out=${1:-$default_out}
 part_size=${PART_SIZE:-50M}
 glibc_minor=${GLIBC_MINOR:-39}
 
@@ -136,6 +154,13 @@ tmp="$out.tmp"
 rm -rf "$tmp"
 mkdir -p "$tmp/wheels" "$tmp/built"
 trap 'rm -rf "$tmp"' EXIT
+if [ "$engine" = sglang ]; then
+  # Its own transformers and tokenizers travel (and shadow the image's on its PYTHONPATH).
+  for name in $TRANSFORMERS_CARRIED; do
+    IMAGE_PACKAGES=$(printf '%s\n' $IMAGE_PACKAGES | grep -vx "$name" | tr '\n' ' ')
+    IMAGE_CONSTRAINTS=$(printf '%s\n' "$IMAGE_CONSTRAINTS" | grep -v "^$name==")
+  done
+fi
 printf '%s\n' "$IMAGE_CONSTRAINTS" >"$tmp/constraints.txt"
 target=(--python-version 3.12 --implementation cp "${platforms[@]}" --only-binary=:all: --find-links "$tmp/built")
 
@@ -148,14 +173,14 @@ for wheel in "$tmp"/built/*.whl; do
   [[ $wheel == *-py3-none-any.whl ]] || die "$(basename "$wheel") is not pure Python: it would not run on the H200"
 done
 
-echo "engine_wheels: resolving vllm==$vllm_version and snakemake==$snakemake_version for CPython 3.12 manylinux" \
+echo "engine_wheels: resolving $requirement and snakemake==$snakemake_version for CPython 3.12 manylinux" \
   "x86-64 (pip runs on $python)"
 "$python" -m pip install --dry-run --ignore-installed --quiet --target "$tmp/never" --report "$tmp/report.json" \
-  "${target[@]}" -c "$tmp/constraints.txt" "vllm==$vllm_version" "snakemake==$snakemake_version" \
-  2> >(grep -v '^WARNING: Location' >&2) || die "pip could not resolve vllm==$vllm_version snakemake==$snakemake_version"
+  "${target[@]}" -c "$tmp/constraints.txt" "$requirement" "snakemake==$snakemake_version" \
+  2> >(grep -v '^WARNING: Location' >&2) || die "pip could not resolve $requirement snakemake==$snakemake_version"
 
 # The resolved set, less the image's packages: one name==version line each, and the report's hashes.
-IMAGE_PACKAGES="$IMAGE_PACKAGES $LAZY_KERNELS $UNUSED_BY_SNAKEMAKE ${ENGINE_SKIP:-}" "$python" - "$tmp" <<'EOF'
+IMAGE_PACKAGES="$IMAGE_PACKAGES $lazy $UNUSED_BY_SNAKEMAKE ${ENGINE_SKIP:-}" "$python" - "$tmp" <<'EOF'
 import json, os, re, sys
 tmp = sys.argv[1]
 norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()

@@ -70,9 +70,11 @@ UNUSED_BY_SNAKEMAKE="pulp"
 PURE_SDISTS="connection-pool"
 
 engine=${ENGINE:-vllm}
+vllm_version=${VLLM_VERSION:-0.24.0}
+sglang_version=${SGLANG_VERSION:-0.5.17}
 case $engine in
-  vllm) requirement="vllm==${VLLM_VERSION:-0.24.0}" lazy=$LAZY_KERNELS default_out=.gpu-inputs/engine-parts ;;
-  sglang) requirement="sglang==${SGLANG_VERSION:-0.5.17}" lazy=$SGLANG_LAZY_KERNELS default_out=.gpu-inputs/sglang-parts ;;
+  vllm) requirement="vllm==$vllm_version" lazy=$LAZY_KERNELS default_out=.gpu-inputs/engine-parts ;;
+  sglang) requirement="sglang==$sglang_version" lazy=$SGLANG_LAZY_KERNELS default_out=.gpu-inputs/sglang-parts ;;
   *) echo "engine_wheels: error: ENGINE is vllm or sglang, not $engine" >&2; exit 1 ;;
 esac
 out=${1:-$default_out}

@@ -43,3 +43,7 @@ REFUSED_FIELDS = ("swa_page_table", "pa_swa_page_table", "local_attn_metadata", 
 
 # Where the version stands in a source tree and an installed package.
 VERSION_MODULE = "sglang._version"
+
+
+class HookPointError(RuntimeError):
+    """The running SGLang lacks something the plugin patches; names it and the SGLang version."""

@@ -8,6 +8,8 @@ ENGINE_MANIFEST := results/engines/vllm-cpu/manifest.json
 # The Python sources of the CUDA vLLM the H200 studies carry (scripts/device/engine_wheels.sh): the tests run its
 # scheduler and KV cache manager, with the ring, at the studies' model shape.
 GPU_VLLM_SOURCES := results/engines/sources/vllm-0.24.0/manifest.json
+# The SGLang sources the SGLang plugin is checked against (wmtp.plugin.sglang_hookpoints.TARGET_VERSION).
+SGLANG_SOURCES := results/engines/sources/sglang-0.5.17/manifest.json
 
 .PHONY: run test engine lint clean-results
 
@@ -25,7 +27,7 @@ run: $(VENV)/.installed
 	@echo "report: $(CURDIR)/results/embedded/report/index.html"
 
 engine: $(VENV)/.installed
-	$(VENV)/bin/snakemake $(ENGINE_MANIFEST) $(GPU_VLLM_SOURCES)
+	$(VENV)/bin/snakemake $(ENGINE_MANIFEST) $(GPU_VLLM_SOURCES) $(SGLANG_SOURCES)
 
 test: $(VENV)/.installed engine
 	$(VENV)/bin/pytest

@@ -42,3 +42,21 @@ rule vllm_sources:
         "../envs/pipeline.yaml"
     shell:
         "{params.py} -m wmtp --log {log:q} vllm-sources --version {wildcards.version:q} --out {output:q}"
+
+
+# The SGLang sources the SGLang plugin's hook check reads (wmtp.engines.sglang_hooks), out of a release's wheel, and
+# the check's result in the manifest.
+rule sglang_sources:
+    output:
+        ENGINES / "sources" / "sglang-{version}" / "manifest.json",
+    log:
+        ENGINES / "sources" / "sglang-{version}.log",
+    wildcard_constraints:
+        version=r"\d+\.\d+\.\d+",
+    params:
+        py=PY,
+    localrule: True
+    conda:
+        "../envs/pipeline.yaml"
+    shell:
+        "{params.py} -m wmtp --log {log:q} sglang-sources --version {wildcards.version:q} --out {output:q}"

@@ -107,6 +107,18 @@ def gpu_vllm_sources() -> Path:
 
 
 @pytest.fixture(scope="session")
+def sglang_sources() -> Path:
+    """The ``sglang`` package folder of the SGLang release the SGLang plugin is written against, as ``make engine``
+    reads it out of the wheel: only the files its hook check reads."""
+    from wmtp.plugin.sglang_hookpoints import TARGET_VERSION
+
+    root = engines_dir() / "sources" / f"sglang-{TARGET_VERSION}"
+    if not (root / "manifest.json").exists() or not (root / "sglang" / "srt").is_dir():
+        _missing_engine(f"no SGLang {TARGET_VERSION} sources at {root} (build them: make engine)")
+    return root / "sglang"
+
+
+@pytest.fixture(scope="session")
 def trained_none(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Arm none of the committed trained checkpoint on one real server, read by two files in turn: a server start
     is about a minute on two cores. tests/test_engine_clock.py times requests against the engine's clock first, on

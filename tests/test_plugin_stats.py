@@ -217,3 +217,30 @@ def test_a_cycles_later_forwards_count_its_first_forwards_drops_once_summed(tmp_
     snap = counter.snapshot()
     assert (snap["blocks_skipped"], snap["windowed_forwards"], snap["anchored_forwards"]) == (23, 5, 3)
     assert sums == [(2, 3), (4,)]  # one sum a cycle
+
+
+def test_a_longest_context_kept_on_the_device_is_read_with_the_sum_it_goes_with(monkeypatch):
+    """SGLang's draft under CUDA graphs knows its lengths only on the device: the plugin hands them over as tensors,
+    and a write reads the longest of them in one go with the dropped blocks, which the check then compares."""
+    import torch
+
+    monkeypatch.delenv(stats.ENV, raising=False)  # no file: nothing is read before the snapshot below
+    counter = stats.DraftStats(16, 128, "0.5.17", engine="SGLang")
+    for longest, drops in ((900, [0, 0]), (5000, [30, 0]), (4000, [20])):
+        dropped = torch.tensor(drops, dtype=torch.int32)
+        counter.record(16, 128, 128, 0, 1, dropped, device_max_seq_len=torch.tensor(longest, dtype=torch.int32))
+    assert counter.longest_decode_context == 0  # nothing read yet: the host never waited for the device
+    snap = counter.snapshot()
+    assert (snap["blocks_skipped"], snap["skipped_as_of_decode_context"]) == (50, 5000)
+    assert (snap["longest_context"], snap["longest_decode_context"]) == (5000, 5000)
+    assert (snap["engine"], snap["engine_version"]) == ("SGLang", "0.5.17") and "vllm_version" not in snap
+    assert snap["message"].startswith(f"wmtp plugin (pid {snap['pid']}, SGLang 0.5.17; sink S=16, window W=128")
+    assert stats.check([snap], 5000, 16, 128, 3, None)["blocks_skipped"] == 50
+    with pytest.raises(stats.WindowNotApplied, match="must drop"):
+        stats.check([{**snap, "blocks_skipped": 0}], 5000, 16, 128, 3, None)
+
+
+def test_vllms_counters_keep_their_version_key():
+    snap = stats.DraftStats(16, 128, "9.9.9").snapshot()
+    assert (snap["engine"], snap["vllm_version"]) == ("vLLM", "9.9.9")
+    assert "vLLM 9.9.9;" in snap["message"]

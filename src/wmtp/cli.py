@@ -229,6 +229,23 @@ def cmd_vllm_sources(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sglang_sources(args: argparse.Namespace) -> int:
+    from wmtp.engines.sglang_hooks import fetch_sources
+
+    out = Path(args.out)
+    found = fetch_sources(args.version, out.parent)
+    out.write_text(json.dumps(found, indent=2))
+    checked = found["hook_points"]
+    logging.getLogger("wmtp").info(
+        "SGLang %s: %d Python files in %d range requests; the plugin's hook points %s",
+        args.version,
+        found["members"],
+        found["range_requests"],
+        "are all there" if checked["ok"] else f"lack {checked['missing']}",
+    )
+    return 0
+
+
 def predicted_reclaim(config_file: Path, measured: dict, name: str) -> dict[str, float]:
     """The cost model's bytes per request of the proof's length under wmtp and the ring, and the share reclaimed."""
     from wmtp.analyze import costmodel
@@ -406,6 +423,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", required=True)
     p.add_argument("--out", required=True, help="the manifest; the sources go beside it, under vllm/")
     p.set_defaults(func=cmd_vllm_sources)
+
+    p = sub.add_parser(
+        "sglang-sources", help="the SGLang sources the SGLang plugin's hook check reads, out of a release's wheel"
+    )
+    p.add_argument("--version", required=True)
+    p.add_argument("--out", required=True, help="the manifest, with the check's result; the sources go under sglang/")
+    p.set_defaults(func=cmd_sglang_sources)
 
     p = sub.add_parser("collect", help="raw cells → tidy parquet tables")
     p.add_argument("--out", required=True)

@@ -13,6 +13,9 @@ installed vLLM. Each version is then:
 - ``refused``: the check fails, for the reason given: no windowed arm runs on it (the build of an engine that
   the study windows fails; other engines serve ``none`` and ``mtp``).
 
+``fetch_sources`` reads another package's wheel the same way: SGLang's, for its plugin's source check
+(``wmtp.engines.sglang_hooks``).
+
 ``python -m wmtp.engines.vllm_versions`` rewrites ``docs/vllm-versions.md`` and the README's copy of the table.
 """
 
@@ -35,7 +38,7 @@ from wmtp.plugin.hookpoints import HookPointError
 
 log = logging.getLogger(__name__)
 
-INDEX_URL = "https://pypi.org/simple/vllm/"
+INDEX_URL = "https://pypi.org/simple/{package}/"
 # The versions a user is likely to pin: the Spark study's 0.24 and everything after it that has the
 # proposer the plugin hooks.
 DEFAULT_VERSIONS = (
@@ -139,13 +142,14 @@ class RangeFile(io.RawIOBase):
         return n
 
 
-def wheel_url(index: dict, version: str) -> tuple[str, int]:
-    """The x86-64 Linux wheel of ``version`` in a PEP 691 JSON index page: (url, size)."""
-    pattern = re.compile(rf"^vllm-{re.escape(version)}-.*(manylinux|linux)[^-]*x86_64\.whl$")
+def wheel_url(index: dict, version: str, package: str = "vllm") -> tuple[str, int]:
+    """The x86-64 Linux wheel of ``package`` ``version`` in a PEP 691 JSON index page: (url, size)."""
+    pattern = re.compile(rf"^{re.escape(package)}-{re.escape(version)}-.*(manylinux|linux)[^-]*x86_64\.whl$")
     for entry in index.get("files", []):
         if pattern.match(entry["filename"]):
             return entry["url"], int(entry["size"])
-    raise LookupError(f"vLLM {version} has no x86-64 Linux wheel in the index")
+    name = "vLLM" if package == "vllm" else package
+    raise LookupError(f"{name} {version} has no x86-64 Linux wheel in the index")
 
 
 def unpack_sources(wheel: zipfile.ZipFile, dest: Path) -> Path:
@@ -158,9 +162,9 @@ def unpack_sources(wheel: zipfile.ZipFile, dest: Path) -> Path:
     return dest / "vllm"
 
 
-def release_index(client: Any) -> dict:
-    """vLLM's PyPI index page, as JSON (PEP 691)."""
-    index = client.get(INDEX_URL, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+def release_index(client: Any, package: str = "vllm") -> dict:
+    """A package's PyPI index page (vLLM's by default), as JSON (PEP 691)."""
+    index = client.get(INDEX_URL.format(package=package), headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     index.raise_for_status()
     return index.json()
 
@@ -180,38 +184,44 @@ def member_spans(wheel: zipfile.ZipFile, wanted: Callable[[str], bool]) -> list[
     return spans
 
 
-def python_member(name: str) -> bool:
-    return name.startswith("vllm/") and name.endswith(".py")
+def fetch_sources(
+    version: str, dest: Path, package: str = "vllm", wanted: Callable[[str], bool] | None = None
+) -> dict[str, Any]:
+    """Every Python source of ``package`` ``version``'s x86-64 wheel (vLLM's by default), or the ``wanted`` members,
+    under ``dest/<package>``, in a few range requests.
 
-
-def fetch_sources(version: str, dest: Path) -> dict[str, Any]:
-    """Every Python source of vLLM ``version``'s x86-64 wheel under ``dest/vllm``, in a few range requests.
-
-    Enough to import vLLM's configuration, KV cache manager and scheduler on a machine without a GPU (the compiled
-    kernels are left out). Each member is checked against the archive's CRC as it is unpacked. Returns what
-    was read, for a manifest.
+    For vLLM enough to import its configuration, KV cache manager and scheduler on a machine without a GPU (the
+    compiled kernels are left out). Each member is checked against the archive's CRC as it is unpacked. Returns
+    what was read, for a manifest.
     """
     import shutil
 
     import httpx
 
+    prefix = f"{package}/"
+    if wanted is None:
+
+        def wanted(name: str) -> bool:
+            return name.startswith(prefix) and name.endswith(".py")
+
     with httpx.Client(timeout=300, follow_redirects=True) as client:
-        url, size = wheel_url(release_index(client), version)
+        url, size = wheel_url(release_index(client, package), version, package)
         remote = RangeFile(url, size, client.stream)
         wheel = zipfile.ZipFile(io.BufferedReader(remote, buffer_size=1 << 16))
-        spans = member_spans(wheel, python_member)
+        spans = member_spans(wheel, wanted)
         remote.prefetch(spans)
-        # Unpacked beside, then swapped in: only dest/vllm is replaced, nothing else in dest.
-        partial = dest / "vllm.partial"
+        # Unpacked beside, then swapped in: only dest/<package> is replaced, nothing else in dest.
+        partial = dest / f"{package}.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        names = [name for name in wheel.namelist() if python_member(name)]
+        names = [name for name in wheel.namelist() if wanted(name) and name.startswith(prefix)]
         for name in names:
-            target = partial / name.removeprefix("vllm/")
+            target = partial / name.removeprefix(prefix)
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(wheel.read(name))
-    shutil.rmtree(dest / "vllm", ignore_errors=True)
-    partial.rename(dest / "vllm")
+    shutil.rmtree(dest / package, ignore_errors=True)
+    partial.rename(dest / package)
     return {
+        "package": package,
         "version": version,
         "wheel": url,
         "members": len(names),

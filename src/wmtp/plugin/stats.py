@@ -16,6 +16,10 @@ longest decode context as of when it was started (``skipped_as_of_decode_context
 compares it with); on the CPU the sum is read directly. A blocking read there would drain the device's
 queue and cost a cycle's host lead each time.
 
+Where the host holds no lengths without waiting for the device (SGLang's draft under CUDA graphs), the plugin hands
+``record`` the longest context as a device tensor too; it is folded on the device and read back in the same copy as
+the dropped-block sum, so the two numbers of a write are always of one moment.
+
 Each configured proposer also times its own hook on the host (``hook_host_us_per_build``): the windowed
 copy is launched from the host before every draft forward, so that is what the window adds to a cycle
 wherever the host, not the device, sets the pace.
@@ -66,12 +70,12 @@ def effective(sink: int, window: int, block_size: int) -> dict[str, int]:
 class DraftStats:
     """Counters of one configured proposer; ``record`` is called once per draft metadata build."""
 
-    def __init__(self, sink: int, window: int, vllm_version: str) -> None:
+    def __init__(self, sink: int, window: int, engine_version: str, engine: str = "vLLM") -> None:
         global _instances
         directory = os.environ.get(ENV)
         self.path = Path(directory) / f"{PREFIX}{os.getpid()}-{_instances}.json" if directory else None
         _instances += 1
-        self.sink, self.window, self.vllm_version = sink, window, vllm_version
+        self.sink, self.window, self.engine, self.engine_version = sink, window, engine, engine_version
         self.block_size: int | None = None
         self.builds = 0
         self.windowed_forwards = 0
@@ -84,6 +88,7 @@ class DraftStats:
         self._on_device = False  # the window's kernels keep _skipped themselves (count_on_device)
         self._skipped_host = 0
         self._skipped_as_of = 0  # the longest decode context when the sum in _skipped_host was taken
+        self._longest = None  # a device tensor: the longest decode context, where the host does not know it
         self._pending: tuple[Any, Any, int] | None = None  # (pinned host copy, its CUDA event, decode context)
         self._pinned = None
         self.host_ns = 0
@@ -104,15 +109,21 @@ class DraftStats:
         max_query_len: int,
         dropped: Any | None,
         reused: bool = False,
+        device_max_seq_len: Any | None = None,
     ) -> None:
         """One draft forward's metadata build; ``dropped`` is the per-row count of dropped blocks, or None
         when the metadata was handed through (no context longer than S + W); ``reused`` when it is the
-        cycle's first forward's, kept by a later forward (its sum is added once a cycle, not once a forward)."""
+        cycle's first forward's, kept by a later forward (its sum is added once a cycle, not once a forward).
+        ``device_max_seq_len``, a decode forward's longest context on the device, stands in for ``max_seq_len``
+        where the host does not know it (pass 0 there)."""
         self.sink, self.window, self.block_size = sink, window, block_size
         self.builds += 1
         self.longest_context = max(self.longest_context, int(max_seq_len))
         if max_query_len == 1:
             self.longest_decode_context = max(self.longest_decode_context, int(max_seq_len))
+            if device_max_seq_len is not None:
+                longest = device_max_seq_len.long()  # the dtype of a sum of dropped blocks
+                self._longest = longest if self._longest is None else self._longest.maximum(longest)
         first = False
         if dropped is not None:
             first = self.windowed_forwards == 0
@@ -148,6 +159,11 @@ class DraftStats:
         """Host time of one hooked metadata build (the window's copy and this record)."""
         self.host_ns += ns
 
+    def _note_longest(self, longest: int) -> int:
+        self.longest_context = max(self.longest_context, longest)
+        self.longest_decode_context = max(self.longest_decode_context, longest)
+        return longest
+
     def _read_skipped(self, wait: bool) -> None:
         """The dropped-block sum on the host; on a GPU without waiting for it unless ``wait``."""
         self._fold_reuses()
@@ -155,17 +171,23 @@ class DraftStats:
         if total is None:
             return
         if wait or not getattr(total, "is_cuda", False):
-            self._skipped_host, self._skipped_as_of, self._pending = int(total), self.longest_decode_context, None
+            as_of = self.longest_decode_context if self._longest is None else self._note_longest(int(self._longest))
+            self._skipped_host, self._skipped_as_of, self._pending = int(total), as_of, None
             return
         if self._pending is not None and self._pending[1].query():
-            self._skipped_host, self._skipped_as_of = int(self._pending[0]), self._pending[2]
+            landed = self._pending[0]
+            if landed.dim():  # the sum and the longest context, taken together
+                self._skipped_host, self._skipped_as_of = int(landed[0]), self._note_longest(int(landed[1]))
+            else:
+                self._skipped_host, self._skipped_as_of = int(landed), self._pending[2]
             self._pending = None
         if self._pending is None:
             import torch  # only in a worker that sums on a GPU, where torch is loaded
 
-            if self._pinned is None:
-                self._pinned = torch.zeros((), dtype=total.dtype, pin_memory=True)
-            self._pinned.copy_(total, non_blocking=True)
+            both = total if self._longest is None else torch.stack([total, self._longest.to(total.dtype)])
+            if self._pinned is None or self._pinned.shape != both.shape:
+                self._pinned = torch.zeros(both.shape, dtype=total.dtype, pin_memory=True)
+            self._pinned.copy_(both, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
             self._pending = (self._pinned, event, self.longest_decode_context)
@@ -174,7 +196,8 @@ class DraftStats:
         self._read_skipped(wait)
         out: dict[str, Any] = {
             "pid": os.getpid(),
-            "vllm_version": self.vllm_version,
+            "engine": self.engine,
+            "engine_version": self.engine_version,
             "sink": self.sink,
             "window": self.window,
             "builds": self.builds,
@@ -192,6 +215,8 @@ class DraftStats:
         if self.block_size is not None:
             out.update(effective(self.sink, self.window, self.block_size))
             out["tokens_skipped"] = self._skipped_host * self.block_size
+        if self.engine == "vLLM":
+            out["vllm_version"] = self.engine_version  # the name earlier counters and their readers use
         out["message"] = describe(out)
         return out
 
@@ -221,7 +246,8 @@ def describe(stats: Mapping[str, Any]) -> str:
             f"{stats['window_tokens_min']}-{stats['window_tokens_max']} tokens"
         )
     return (
-        f"wmtp plugin (pid {stats['pid']}, vLLM {stats['vllm_version']}; {where}): "
+        f"wmtp plugin (pid {stats['pid']}, {stats.get('engine', 'vLLM')} "
+        f"{stats.get('engine_version', stats.get('vllm_version'))}; {where}): "
         f"{stats['windowed_forwards']} of {stats['builds']} draft forwards windowed, "
         f"{stats['blocks_skipped']} KV blocks skipped, longest context {stats['longest_context']} tokens"
     )

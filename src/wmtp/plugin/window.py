@@ -32,7 +32,7 @@ CONFIG_KEY = "wmtp"
 
 
 class WindowConfigError(ValueError):
-    """The ``wmtp`` entry of ``--additional-config`` is malformed."""
+    """The window's settings are malformed (vLLM's ``--additional-config wmtp``, SGLang's environment variable)."""
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,11 @@ def parse_config(additional_config: Mapping[str, Any] | None) -> WindowConfig | 
     """The plugin's settings from vLLM's ``additional_config``; None when there is no ``wmtp`` key."""
     if not additional_config or CONFIG_KEY not in additional_config:
         return None
-    raw = additional_config[CONFIG_KEY]
-    where = f"--additional-config {CONFIG_KEY}"
+    return parse_settings(additional_config[CONFIG_KEY], f"--additional-config {CONFIG_KEY}")
+
+
+def parse_settings(raw: Any, where: str) -> WindowConfig:
+    """``{"sink": S, "window": W, "ring": false}`` checked; ``where`` names the setting in the error."""
     if not isinstance(raw, Mapping):
         raise WindowConfigError(f'{where} must be an object like {{"sink": 16, "window": 128}} (got {raw!r})')
     unknown = sorted(set(raw) - {"sink", "window", "ring"})

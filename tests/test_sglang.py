@@ -90,8 +90,67 @@ def test_wmtp_keeps_a_chosen_triton_backend_and_refuses_one_that_ignores_the_win
     argv = _argv("wmtp", sink=0, window=128, engine_args=["--speculative-draft-attention-backend", "triton"])
     assert argv.count("--speculative-draft-attention-backend") == 1
     assert _value(argv, "--speculative-draft-attention-backend") == "triton"
-    with pytest.raises(sglang.SGLangError, match="'fa3' ignores the draft window"):
-        _argv("wmtp", sink=0, window=128, engine_args=["--speculative-draft-attention-backend=fa3"])
+    with pytest.raises(sglang.SGLangError, match="'trtllm_mha' ignores the draft window"):
+        _argv("wmtp", sink=0, window=128, engine_args=["--speculative-draft-attention-backend=trtllm_mha"])
+
+
+def _request(arm: str, engine_args=(), **draft) -> ServeRequest:
+    return ServeRequest(
+        "/env/bin/python",
+        "/models/q",
+        "q",
+        8123,
+        max_model_len=1_049_600,
+        draft=Draft(arm=arm, k=3, **draft),
+        engine_args=engine_args,
+    )
+
+
+def test_an_fa3_draft_is_windowed_by_the_plugin_through_the_environment_not_by_flags(tmp_path):
+    fa3 = ["--speculative-draft-attention-backend", "fa3"]
+    argv = _argv("wmtp", sink=64, window=4032, engine_args=fa3)
+    assert "--speculative-draft-window-size" not in argv and "--speculative-draft-sink-size" not in argv
+    assert argv == _argv("mtp", engine_args=fa3)  # the arms differ only in the server's environment
+    env = sglang.server_env({}, tmp_path / "w", tmp_path / "t", _request("wmtp", fa3, sink=64, window=4032))
+    assert json.loads(env["WMTP_SGLANG_WINDOW"]) == {"sink": 64, "window": 4032}
+    assert env["WMTP_PLUGIN_STATS_DIR"] == str(tmp_path / "t" / "wmtp-stats")
+    # Upstream's window (FlashInfer here) and the native arm leave the plugin off, also where the engine's env set it.
+    stale = {"WMTP_SGLANG_WINDOW": '{"sink": 1, "window": 2}'}
+    for request in (_request("wmtp", (), sink=64, window=4032), _request("mtp", fa3)):
+        assert "WMTP_SGLANG_WINDOW" not in sglang.server_env(stale, tmp_path / "w", tmp_path / "t", request)
+
+
+def test_check_cell_wants_the_plugins_hook_points_for_an_fa3_draft():
+    spec = EngineSpec(name="sg", kind="sglang", device="cuda", packages=["sglang==0.5.17"])
+    cell = Cell(study="s", model="m", engine="sg", arm="wmtp", k=3, sink=64, window=4032)
+    fa3 = ["--speculative-draft-attention-backend", "fa3"]
+    # 0.5.17 has no window flags: upstream's window is refused, the plugin's is taken where its hook points are.
+    versions = {"sglang": "0.5.17", "draft_window_flags": False, "window_backends": []}
+    with pytest.raises(sglang.SGLangError, match="lacks --speculative-draft-window-size"):
+        sglang.check_cell(spec, {"versions": versions}, cell, [])
+    missing = {**versions, "wmtp_hooks": {"ok": False, "missing": ["FlashAttentionMultiStepBackend.topk"]}}
+    with pytest.raises(
+        sglang.SGLangError, match=r"cannot window the 'fa3' draft .*FlashAttentionMultiStepBackend.topk"
+    ):
+        sglang.check_cell(spec, {"versions": missing}, cell, fa3)
+    with pytest.raises(sglang.SGLangError, match="did not check them"):
+        sglang.check_cell(spec, {"versions": versions}, cell, fa3)
+    sglang.check_cell(spec, {"versions": {**versions, "wmtp_hooks": {"ok": True}}}, cell, fa3)
+
+
+def test_a_cell_the_plugin_windowed_fails_when_its_counters_say_it_never_ran(tmp_path):
+    from types import SimpleNamespace
+
+    from wmtp.plugin.stats import WindowNotApplied
+
+    cell = Cell(study="s", model="m", engine="sg", arm="wmtp", k=3, sink=64, window=4032)
+    protocol = SimpleNamespace(rungs=[131072])
+    fa3 = ["--speculative-draft-attention-backend", "fa3"]
+    env = sglang.server_env({}, tmp_path / "w", tmp_path / "t", _request("wmtp", fa3, sink=64, window=4032))
+    engine = sglang.SGLangAdapter()
+    assert engine.verify_cell(tmp_path, {}, cell, protocol) == {}  # upstream's window: no counters of ours
+    with pytest.raises(WindowNotApplied):
+        engine.verify_cell(tmp_path, env, cell, protocol)
 
 
 def test_an_arms_own_serve_args_come_last_and_choose_its_draft_backend():
@@ -103,7 +162,7 @@ def test_an_arms_own_serve_args_come_last_and_choose_its_draft_backend():
     mtp = _argv("mtp", k=6, arm_args=["--speculative-draft-attention-backend", "flashinfer"])
     assert _value(mtp, "--speculative-draft-attention-backend") == "flashinfer"
     with pytest.raises(sglang.SGLangError, match="ignores the draft window"):
-        _argv("wmtp", sink=64, window=4032, arm_args=["--speculative-draft-attention-backend", "fa3"])
+        _argv("wmtp", sink=64, window=4032, arm_args=["--speculative-draft-attention-backend", "trtllm_mha"])
     with pytest.raises(sglang.SGLangError, match="engine/model/arm serve_args set --speculative-num-steps"):
         _argv("mtp", arm_args=["--speculative-num-steps=2"])
 
@@ -185,12 +244,12 @@ def test_server_env_keeps_caches_in_the_cell(tmp_path):
 # --- version detection ------------------------------------------------------------------------------
 
 
-def _probe(site: Path) -> dict:
+def _probe(site: Path, *more: Path) -> dict:
     proc = subprocess.run(
         [sys.executable, "-c", sglang.VERSION_PROBE],
         capture_output=True,
         text=True,
-        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": ":".join(map(str, (site, *more))), "PATH": "/usr/bin:/bin"},
         timeout=120,
         check=True,
     )
@@ -199,10 +258,12 @@ def _probe(site: Path) -> dict:
 
 
 def test_probe_finds_the_window_flags_and_backends():
-    info = _probe(FAKE_SITE)
+    info = _probe(FAKE_SITE, Path(sglang.__file__).parents[2])
     assert info["sglang"] == "0.5.21"
     assert info["draft_window_flags"] is True and info["draft_window_flags_cli"] is True
     assert info["window_backends"] == ["flashinfer", "triton"]
+    # The stand-in's attention backends are not SGLang's: the plugin's hook check runs and names what it misses.
+    assert info["wmtp_hooks"]["ok"] is False and info["wmtp_hooks"]["missing"]
 
 
 def _old_site(tmp_path: Path) -> Path:

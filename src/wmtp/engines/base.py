@@ -78,8 +78,11 @@ class EngineAdapter(ABC):
         """The server command as a list (never a shell string)."""
 
     @abstractmethod
-    def server_env(self, engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path) -> dict[str, str]:
-        """The server's environment: the engine's own settings, caches under ``work_dir``, temp in ``tmp_dir``."""
+    def server_env(
+        self, engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path, request: ServeRequest | None = None
+    ) -> dict[str, str]:
+        """The server's environment: the engine's own settings, caches under ``work_dir``, temp in ``tmp_dir``;
+        ``request`` is the start it is for, where the environment carries something of its cell."""
 
     @abstractmethod
     def read_counters(self, base_url: str) -> dict[str, float]:

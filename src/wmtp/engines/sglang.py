@@ -18,6 +18,11 @@ Arms (facts from the sglang 0.5.21 wheel's ``arg_groups/fields/spec.py`` and ``s
   arm gets ``--speculative-draft-attention-backend`` (FlashInfer unless the study's serve_args choose
   Triton): by default the same draft backend in ``mtp`` and ``wmtp``, so the arms differ only in the
   window; a study that gives an arm its own backend (the arm's ``serve_args``) says so beside it.
+  With the FlashAttention (``fa3``) draft backend, which upstream does not window, the window is ours instead:
+  the SGLang plugin (``wmtp.plugin.sglang``, an ``sglang.srt.plugins`` entry point, 0.5.17 on) windows each
+  draft-decode step's metadata, set through ``WMTP_SGLANG_WINDOW`` in the server's environment
+  (``server_env``), with no window flags; a cell needs the engine's probe to have found the plugin's hook
+  points (``wmtp_hooks``), and its counters show that the window acted (``verify_cell``).
 * ``wmtp-ring`` — ours, not upstream's: not built for SGLang yet (``RingNotBuilt``).
 
 Checkpoints: SGLang's Qwen3-Next config reads ``full_attention_interval``, which a config that transformers 5
@@ -50,6 +55,8 @@ from pathlib import Path
 from typing import Any
 
 from wmtp.engines.base import CellRefused, EngineAdapter, ServeRequest, flag_value, has_flag
+from wmtp.plugin import sglang_hookpoints
+from wmtp.plugin import stats as plugin_stats
 
 HEALTH_PATH = "/health"
 # The first sglang release whose server args have both window flags (checked in the 0.5.17–0.5.21
@@ -62,6 +69,8 @@ OVERRIDE_FLAG = "--json-model-override-args"
 # Draft attention backends whose multi-step draft decode honours the window (PR #32673).
 WINDOW_BACKENDS = ("flashinfer", "triton")
 DEFAULT_DRAFT_BACKEND = "flashinfer"
+# Draft attention backends the SGLang plugin windows (wmtp.plugin.sglang), where upstream does not.
+PLUGIN_BACKENDS = ("fa3",)
 # Flags the arm owns: a study's serve_args must not set them.
 ARM_FLAGS = (
     "--speculative-algorithm",
@@ -123,18 +132,29 @@ def speculative_args(
     if not has_flag(extra_args, DRAFT_BACKEND_FLAG):
         args += [DRAFT_BACKEND_FLAG, backend]
     if arm == "wmtp":
-        if backend not in WINDOW_BACKENDS:
+        if backend not in (*WINDOW_BACKENDS, *PLUGIN_BACKENDS):
             raise SGLangError(
                 f"arm 'wmtp': draft attention backend {backend!r} ignores the draft window; set "
-                f"{DRAFT_BACKEND_FLAG} to one of {', '.join(WINDOW_BACKENDS)} in the engine's or the arm's "
-                "serve_args (or leave it out for FlashInfer)"
+                f"{DRAFT_BACKEND_FLAG} to one of {', '.join(WINDOW_BACKENDS)} (upstream's window) or "
+                f"{', '.join(PLUGIN_BACKENDS)} (the SGLang plugin's) in the engine's or the arm's serve_args "
+                "(or leave it out for FlashInfer)"
             )
         if window is None or window < 1:
             raise SGLangError(f"arm 'wmtp' needs a window ≥ 1 (got {window})")
         if sink is None or sink < 0:
             raise SGLangError(f"arm 'wmtp' needs a sink ≥ 0 (got {sink})")
-        args += [WINDOW_FLAGS[0], str(window), WINDOW_FLAGS[1], str(sink)]
+        if backend in WINDOW_BACKENDS:
+            args += [WINDOW_FLAGS[0], str(window), WINDOW_FLAGS[1], str(sink)]
     return args
+
+
+def windowed_by_plugin(arm: str, extra_args: Sequence[str]) -> bool:
+    """Whether the SGLang plugin, not upstream's flags, windows this arm's draft (its draft backend decides)."""
+    return arm == "wmtp" and draft_backend(extra_args) in PLUGIN_BACKENDS
+
+
+def _given_args(request: ServeRequest) -> list[str]:
+    return [*request.engine_args, *request.model_args, *request.arm_args]
 
 
 def full_attention_interval(layer_types: Sequence[str]) -> int | None:
@@ -188,7 +208,7 @@ def serve_argv(request: ServeRequest) -> list[str]:
     stands gets what it lacks through ``--json-model-override-args`` (``config_overrides``), after the study's own
     serve_args, so that the merged value is the one argparse keeps."""
     r = request
-    given = [*r.engine_args, *r.model_args, *r.arm_args]
+    given = _given_args(r)
     extra = [*given, *_override_args(given, r.model_dir)]
     argv = [
         r.python,
@@ -209,15 +229,38 @@ def serve_argv(request: ServeRequest) -> list[str]:
     return argv + extra + speculative_args(draft.arm, draft.k, draft.sink, draft.window, extra)
 
 
-def server_env(engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path | None = None) -> dict[str, str]:
+def server_env(
+    engine_env: Mapping[str, str],
+    work_dir: Path,
+    tmp_dir: Path | None = None,
+    request: ServeRequest | None = None,
+) -> dict[str, str]:
     """Temporary files in ``tmp_dir``, kernel caches under ``work_dir`` (the cache directory the cell runner
-    gives, shared by the cells of one engine), never the user's home."""
+    gives, shared by the cells of one engine), never the user's home. Where the SGLang plugin windows the
+    request's draft, its settings, and where it reports what it windowed: the cell's own temporary directory."""
     env = dict(engine_env)
-    env.setdefault("TMPDIR", str(tmp_dir or work_dir / "tmp"))
+    tmp = tmp_dir or work_dir / "tmp"
+    env.setdefault("TMPDIR", str(tmp))
     env.setdefault("TRITON_CACHE_DIR", str(work_dir / "triton-cache"))
     env.setdefault("XDG_CACHE_HOME", str(work_dir / "cache"))
     env.setdefault("DO_NOT_TRACK", "1")
+    env.pop(sglang_hookpoints.SETTINGS_ENV, None)  # only the cell's draft decides whether the plugin windows
+    if request is not None and windowed_by_plugin(request.draft.arm, _given_args(request)):
+        draft = request.draft
+        env[sglang_hookpoints.SETTINGS_ENV] = json.dumps({"sink": draft.sink, "window": draft.window})
+        env[plugin_stats.ENV] = str(tmp / "wmtp-stats")
     return env
+
+
+def verify_windowed(server_env: Mapping[str, str], cell: Any, protocol: Any) -> dict[str, Any]:
+    """A cell the SGLang plugin windowed: its counters; raises ``WindowNotApplied`` when the window never ran
+    (SGLang only logs a plugin that failed, and then serves plain MTP)."""
+    if sglang_hookpoints.SETTINGS_ENV not in server_env:
+        return {}
+    directory = server_env.get(plugin_stats.ENV)
+    found = plugin_stats.read(directory)
+    summary = plugin_stats.check(found, max(protocol.rungs), cell.sink, cell.window, cell.k, directory)
+    return {"wmtp_plugin": {"requested_sink": cell.sink, "requested_window": cell.window, **summary}}
 
 
 def read_counters(base_url: str) -> dict[str, float]:
@@ -237,7 +280,18 @@ def check_cell(spec: Any, engine_manifest: Mapping[str, Any], cell: Any, extra_a
         )
     if cell.arm == "wmtp-ring":
         speculative_args(cell.arm, cell.k, cell.sink, cell.window)  # raises RingNotBuilt
-    if cell.arm == "wmtp":
+    if cell.arm == "wmtp" and windowed_by_plugin(cell.arm, extra_args):
+        versions = engine_manifest.get("versions") or {}
+        hooks = versions.get("wmtp_hooks") or {}
+        if not hooks.get("ok"):
+            why = "; ".join(hooks.get("missing") or []) or hooks.get("error") or "the engine's probe did not check them"
+            raise SGLangError(
+                f"engine {spec.name!r}: the SGLang plugin cannot window the {draft_backend(extra_args)!r} draft of "
+                f"sglang {versions.get('sglang', '?')} ({why}); install wmtp beside SGLang and build the engine "
+                f"again, or pin sglang>={FIRST_WINDOWED_VERSION} with {DRAFT_BACKEND_FLAG} in "
+                f"{', '.join(WINDOW_BACKENDS)} for upstream's window"
+            )
+    elif cell.arm == "wmtp":
         versions = engine_manifest.get("versions") or {}
         if versions.get("draft_window_flags") is False:
             raise SGLangError(
@@ -331,6 +385,11 @@ VERSION_PROBE = (
     "info['window_backends'] = sorted(b for b, p in backends.items()\n"
     "                                 if p.exists() and 'resolve_draft_decode_window' in p.read_text())\n"
     "try:\n"
+    "    from wmtp.engines.sglang_hooks import check_hook_points\n"
+    "    info['wmtp_hooks'] = check_hook_points(srt.parent)\n"
+    "except Exception as err:\n"
+    "    info['wmtp_hooks'] = {'ok': False, 'error': repr(err)[:300]}\n"
+    "try:\n"
     "    from sglang.srt import server_args as sa\n"
     "    parser = argparse.ArgumentParser()\n"
     "    sa.ServerArgs.add_cli_args(parser)\n"
@@ -352,8 +411,13 @@ class SGLangAdapter(EngineAdapter):
     def serve_argv(self, request: ServeRequest) -> list[str]:
         return serve_argv(request)
 
-    def server_env(self, engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path) -> dict[str, str]:
-        return server_env(engine_env, work_dir, tmp_dir)
+    def server_env(
+        self, engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path, request: ServeRequest | None = None
+    ) -> dict[str, str]:
+        return server_env(engine_env, work_dir, tmp_dir, request)
+
+    def verify_cell(self, run_dir: Path, server_env: Mapping[str, str], cell: Any, protocol: Any) -> dict[str, Any]:
+        return verify_windowed(server_env, cell, protocol)
 
     def read_counters(self, base_url: str) -> dict[str, float]:
         return read_counters(base_url)

@@ -307,7 +307,9 @@ class VLLMAdapter(EngineAdapter):
     def serve_argv(self, request: ServeRequest) -> list[str]:
         return serve_argv(request)
 
-    def server_env(self, engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path) -> dict[str, str]:
+    def server_env(
+        self, engine_env: Mapping[str, str], work_dir: Path, tmp_dir: Path, request: ServeRequest | None = None
+    ) -> dict[str, str]:
         return server_env(engine_env, work_dir, tmp_dir)
 
     def read_counters(self, base_url: str) -> dict[str, float]:

@@ -547,23 +547,22 @@ def _build_server(run: CellRun, engine: EngineAdapter, staging: Path, cache_dir:
     cell, study = run.cell, run.study
     spec, model = study.engine(cell.engine), study.model(cell.model)
     port = free_port()
-    argv = engine.serve_argv(
-        ServeRequest(
-            python=run.engine_manifest["python"],
-            model_dir=run.model_dir,
-            served_name=cell.model,
-            port=port,
-            max_model_len=model.max_model_len,
-            draft=cell,
-            engine_args=tuple(spec.serve_args),
-            model_args=tuple(model.serve_args),
-            arm_args=tuple(study.arm_args(cell)),
-            profile_dir=run.profile_dir,
-            profile_iterations=run.protocol.profile_iterations,
-            profile_prompt_tokens=max(run.protocol.rungs),
-        )
+    request = ServeRequest(
+        python=run.engine_manifest["python"],
+        model_dir=run.model_dir,
+        served_name=cell.model,
+        port=port,
+        max_model_len=model.max_model_len,
+        draft=cell,
+        engine_args=tuple(spec.serve_args),
+        model_args=tuple(model.serve_args),
+        arm_args=tuple(study.arm_args(cell)),
+        profile_dir=run.profile_dir,
+        profile_iterations=run.protocol.profile_iterations,
+        profile_prompt_tokens=max(run.protocol.rungs),
     )
-    env = engine.server_env(spec.env, cache_dir.resolve(), short_tmp)
+    argv = engine.serve_argv(request)
+    env = engine.server_env(spec.env, cache_dir.resolve(), short_tmp, request)
     container_stop: list[str] | None = None
     if spec.source == "container":
         from wmtp.engines import container

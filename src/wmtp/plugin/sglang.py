@@ -37,7 +37,7 @@ from wmtp.plugin.sglang_hookpoints import HookPointError
 # A child of SGLang's logger, so our lines land in the server log with SGLang's format.
 log = logging.getLogger("sglang.wmtp")
 
-ENV = "WMTP_SGLANG_WINDOW"
+ENV = hp.SETTINGS_ENV
 ENGINE = "SGLang"
 STATE_ATTR = "_wmtp_window"
 _ORIGINAL = "__wmtp_original__"

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+# The server's environment variable that carries the window's settings (JSON: sink, window); unset, no window.
+SETTINGS_ENV = "WMTP_SGLANG_WINDOW"
+
 # The SGLang release the plugin is written and checked against (its sources: ``python -m wmtp sglang-sources``).
 TARGET_VERSION = "0.5.17"
 

@@ -178,11 +178,15 @@ def test_eager_steps_read_exactly_the_sink_and_the_window(backend_module, monkey
 
 def test_graph_replays_window_the_same_buffers_and_leave_padding_valid(backend_module, monkeypatch, tmp_path):
     sink, window, page_size, steps = 4, 16, 1, 3
-    _configure(monkeypatch, tmp_path, sink, window)
+    directory = _configure(monkeypatch, tmp_path, sink, window)
     plugin.register()
     pool = _pool(4, seed=1)
     backend = backend_module.FlashAttentionMultiStepBackend(pool, page_size, steps)
     backend.init_forward_metadata_out_graph(_batch([1, 1, 1, 1], [0, 0, 0, 0]), in_capture=True)
+    # A capture serves no request: it counts as no draft forward, so counters cannot show a window before one ran.
+    getattr(backend, plugin.STATE_ATTR).stats.write()
+    [captured] = wstats.read(directory)
+    assert captured["builds"] == captured["windowed_forwards"] == 0
     buffers = [(s.graph["page_table"].data_ptr(), s.graph["cache_seqlens"].data_ptr()) for s in backend.attn_backends]
     # Two real requests padded to the captured four with length 1 and pool row 0, then other lengths.
     for seq_lens in ([500, 90, 1, 1], [120, 900, 1, 1], [3, 2000, 1, 1]):
@@ -195,6 +199,9 @@ def test_graph_replays_window_the_same_buffers_and_leave_padding_valid(backend_m
             for r, (n, pool_row) in enumerate(zip(seq_lens, rows, strict=True)):
                 assert _slots_read(m, r, page_size) == _expected(pool[pool_row], n + i + 1, sink, window, page_size)
             assert m.cache_seqlens_int32[2:].tolist() == [i + 2, i + 2]
+    getattr(backend, plugin.STATE_ATTR).stats.write()
+    [replayed] = wstats.read(directory)
+    assert replayed["windowed_forwards"] == 3 * (steps - 1) and replayed["window_anchor"] == "forward"
 
 
 def test_without_the_variable_nothing_is_wrapped_or_imported(monkeypatch):

@@ -117,7 +117,8 @@ def test_an_fa3_draft_is_windowed_by_the_plugin_through_the_environment_not_by_f
     # Upstream's window (FlashInfer here) and the native arm leave the plugin off, also where the engine's env set it.
     stale = {"WMTP_SGLANG_WINDOW": '{"sink": 1, "window": 2}'}
     for request in (_request("wmtp", (), sink=64, window=4032), _request("mtp", fa3)):
-        assert "WMTP_SGLANG_WINDOW" not in sglang.server_env(stale, tmp_path / "w", tmp_path / "t", request)
+        # Set empty, not left out: the server inherits the runner's own environment beneath this one.
+        assert sglang.server_env(stale, tmp_path / "w", tmp_path / "t", request)["WMTP_SGLANG_WINDOW"] == ""
 
 
 def test_check_cell_wants_the_plugins_hook_points_for_an_fa3_draft():
@@ -135,7 +136,13 @@ def test_check_cell_wants_the_plugins_hook_points_for_an_fa3_draft():
         sglang.check_cell(spec, {"versions": missing}, cell, fa3)
     with pytest.raises(sglang.SGLangError, match="did not check them"):
         sglang.check_cell(spec, {"versions": versions}, cell, fa3)
-    sglang.check_cell(spec, {"versions": {**versions, "wmtp_hooks": {"ok": True}}}, cell, fa3)
+    hooked = {**versions, "wmtp_hooks": {"ok": True}, "wmtp_plugin_registered": True}
+    sglang.check_cell(spec, {"versions": hooked}, cell, fa3)
+    with pytest.raises(sglang.SGLangError, match="not registered as an SGLang plugin"):
+        sglang.check_cell(spec, {"versions": {**hooked, "wmtp_plugin_registered": False}}, cell, fa3)
+    # One draft step: SGLang builds no multi-step draft backend, so there is nothing for the plugin to window.
+    with pytest.raises(sglang.SGLangError, match="use k ≥ 2"):
+        sglang.check_cell(spec, {"versions": hooked}, cell.model_copy(update={"k": 1}), fa3)
 
 
 def test_a_cell_the_plugin_windowed_fails_when_its_counters_say_it_never_ran(tmp_path):
@@ -264,6 +271,8 @@ def test_probe_finds_the_window_flags_and_backends():
     assert info["window_backends"] == ["flashinfer", "triton"]
     # The stand-in's attention backends are not SGLang's: the plugin's hook check runs and names what it misses.
     assert info["wmtp_hooks"]["ok"] is False and info["wmtp_hooks"]["missing"]
+    # This interpreter's wmtp is installed, so SGLang's plugin loader finds its entry point.
+    assert info["wmtp_plugin_registered"] is True
 
 
 def _old_site(tmp_path: Path) -> Path:

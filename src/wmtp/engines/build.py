@@ -149,7 +149,7 @@ def behaviour_check(python: str, spec: EngineSpec, info: dict) -> dict:
 
 # What the self-checks cover: a manifest written by older checks is re-checked (no reinstall), and the
 # engine rule passes it as a parameter, so a newer check reruns the rule.
-CHECKS_VERSION = 4
+CHECKS_VERSION = 5
 
 
 def build_engine(spec: EngineSpec, engine_dir: Path, force: bool = False, windowed: bool = False) -> dict:

@@ -244,7 +244,9 @@ def server_env(
     env.setdefault("TRITON_CACHE_DIR", str(work_dir / "triton-cache"))
     env.setdefault("XDG_CACHE_HOME", str(work_dir / "cache"))
     env.setdefault("DO_NOT_TRACK", "1")
-    env.pop(sglang_hookpoints.SETTINGS_ENV, None)  # only the cell's draft decides whether the plugin windows
+    # Only the cell's draft decides whether the plugin windows: set empty otherwise, so that a value in the runner's
+    # own environment, which the server inherits, never windows another arm.
+    env[sglang_hookpoints.SETTINGS_ENV] = ""
     if request is not None and windowed_by_plugin(request.draft.arm, _given_args(request)):
         draft = request.draft
         env[sglang_hookpoints.SETTINGS_ENV] = json.dumps({"sink": draft.sink, "window": draft.window})
@@ -255,7 +257,7 @@ def server_env(
 def verify_windowed(server_env: Mapping[str, str], cell: Any, protocol: Any) -> dict[str, Any]:
     """A cell the SGLang plugin windowed: its counters; raises ``WindowNotApplied`` when the window never ran
     (SGLang only logs a plugin that failed, and then serves plain MTP)."""
-    if sglang_hookpoints.SETTINGS_ENV not in server_env:
+    if not server_env.get(sglang_hookpoints.SETTINGS_ENV):
         return {}
     directory = server_env.get(plugin_stats.ENV)
     found = plugin_stats.read(directory)
@@ -282,6 +284,18 @@ def check_cell(spec: Any, engine_manifest: Mapping[str, Any], cell: Any, extra_a
         speculative_args(cell.arm, cell.k, cell.sink, cell.window)  # raises RingNotBuilt
     if cell.arm == "wmtp" and windowed_by_plugin(cell.arm, extra_args):
         versions = engine_manifest.get("versions") or {}
+        if cell.k < 2:
+            raise SGLangError(
+                f"arm 'wmtp' with k {cell.k} on the {draft_backend(extra_args)!r} draft: SGLang drafts one step "
+                "without its multi-step draft backend, which is what the SGLang plugin windows (its first draft "
+                "forward, the draft-extend, reads the full context); use k ≥ 2"
+            )
+        if versions.get("wmtp_plugin_registered") is False:
+            raise SGLangError(
+                f"engine {spec.name!r}: wmtp is not registered as an SGLang plugin (no entry point 'wmtp' in group "
+                f"{sglang_hookpoints.PLUGINS_GROUP!r} where SGLang looks), so SGLang would serve plain MTP; install "
+                "this checkout's wmtp beside SGLang (pip install, not a bare PYTHONPATH) and build the engine again"
+            )
         hooks = versions.get("wmtp_hooks") or {}
         if not hooks.get("ok"):
             why = "; ".join(hooks.get("missing") or []) or hooks.get("error") or "the engine's probe did not check them"
@@ -384,6 +398,8 @@ VERSION_PROBE = (
     "backends = {b: srt / 'layers' / 'attention' / f'{b}_backend.py' for b in ('triton', 'flashinfer')}\n"
     "info['window_backends'] = sorted(b for b, p in backends.items()\n"
     "                                 if p.exists() and 'resolve_draft_decode_window' in p.read_text())\n"
+    f"plugins = md.entry_points(group={sglang_hookpoints.PLUGINS_GROUP!r})\n"
+    "info['wmtp_plugin_registered'] = any(ep.name == 'wmtp' for ep in plugins)\n"
     "try:\n"
     "    from wmtp.engines.sglang_hooks import check_hook_points\n"
     "    info['wmtp_hooks'] = check_hook_points(srt.parent)\n"

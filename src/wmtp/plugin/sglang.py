@@ -114,7 +114,9 @@ def _wrap(original, config: win.WindowConfig):
     @functools.wraps(original)
     def wrapper(self, forward_batch, *args, **kwargs):
         out = original(self, forward_batch, *args, **kwargs)
-        window_steps(self, config)
+        # A CUDA graph's capture builds metadata of no request: windowed like any other, counted as none.
+        in_capture = bool(kwargs.get("in_capture", args[0] if args else False))
+        window_steps(self, config, count=not in_capture)
         return out
 
     setattr(wrapper, _ORIGINAL, original)
@@ -127,8 +129,9 @@ class _State:
     logged: bool = False
 
 
-def window_steps(backend: Any, config: win.WindowConfig) -> None:
-    """Window every step backend's freshly built metadata in place and count it, one draft forward a step."""
+def window_steps(backend: Any, config: win.WindowConfig, count: bool = True) -> None:
+    """Window every step backend's freshly built metadata in place and, where ``count``, count it, one draft
+    forward a step."""
     started = time.perf_counter_ns()
     state = _state(backend, config)
     for step in getattr(backend, hp.STEP_BACKENDS_ATTR):
@@ -143,8 +146,10 @@ def window_steps(backend: Any, config: win.WindowConfig) -> None:
         dropped = paged_window.window_draft_step(
             metadata.page_table, lengths, metadata.cu_seqlens_k, config.sink, config.window, page_size
         )
-        state.stats.record(config.sink, config.window, page_size, 0, 1, dropped, device_max_seq_len=longest)
-    state.stats.add_host_ns(time.perf_counter_ns() - started)
+        if count:
+            state.stats.record(config.sink, config.window, page_size, 0, 1, dropped, device_max_seq_len=longest)
+    if count:
+        state.stats.add_host_ns(time.perf_counter_ns() - started)
 
 
 def _state(backend: Any, config: win.WindowConfig) -> _State:
@@ -155,7 +160,9 @@ def _state(backend: Any, config: win.WindowConfig) -> _State:
             raise NotImplementedError(
                 f"wmtp: the window assumes a chain draft (--speculative-eagle-topk 1); this draft has topk={topk}"
             )
-        state = _State(wstats.DraftStats(config.sink, config.window, sglang_version(), engine=ENGINE))
+        # Each step windows from its own length (no cycle's window kept across steps): the window anchors a forward.
+        stats = wstats.DraftStats(config.sink, config.window, sglang_version(), engine=ENGINE, window_anchor="forward")
+        state = _State(stats)
         setattr(backend, STATE_ATTR, state)
     return state
 

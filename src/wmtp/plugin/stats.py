@@ -70,12 +70,15 @@ def effective(sink: int, window: int, block_size: int) -> dict[str, int]:
 class DraftStats:
     """Counters of one configured proposer; ``record`` is called once per draft metadata build."""
 
-    def __init__(self, sink: int, window: int, engine_version: str, engine: str = "vLLM") -> None:
+    def __init__(
+        self, sink: int, window: int, engine_version: str, engine: str = "vLLM", window_anchor: str = WINDOW_ANCHOR
+    ) -> None:
         global _instances
         directory = os.environ.get(ENV)
         self.path = Path(directory) / f"{PREFIX}{os.getpid()}-{_instances}.json" if directory else None
         _instances += 1
         self.sink, self.window, self.engine, self.engine_version = sink, window, engine, engine_version
+        self.window_anchor = window_anchor
         self.block_size: int | None = None
         self.builds = 0
         self.windowed_forwards = 0
@@ -203,7 +206,7 @@ class DraftStats:
             "builds": self.builds,
             "windowed_forwards": self.windowed_forwards,
             "anchored_forwards": self.anchored_forwards,
-            "window_anchor": WINDOW_ANCHOR,
+            "window_anchor": self.window_anchor,
             # What set the window on the device: the plugin's Triton kernels, or PyTorch operations.
             "window_kernels": "triton" if self._on_device else "torch",
             "blocks_skipped": self._skipped_host,

@@ -259,10 +259,7 @@ def verify_windowed(server_env: Mapping[str, str], cell: Any, protocol: Any) -> 
     (SGLang only logs a plugin that failed, and then serves plain MTP)."""
     if not server_env.get(sglang_hookpoints.SETTINGS_ENV):
         return {}
-    directory = server_env.get(plugin_stats.ENV)
-    found = plugin_stats.read(directory)
-    summary = plugin_stats.check(found, max(protocol.rungs), cell.sink, cell.window, cell.k, directory)
-    return {"wmtp_plugin": {"requested_sink": cell.sink, "requested_window": cell.window, **summary}}
+    return plugin_stats.cell_record(server_env.get(plugin_stats.ENV), cell, max(protocol.rungs))
 
 
 def read_counters(base_url: str) -> dict[str, float]:

@@ -209,10 +209,7 @@ def verify_windowed(server_env: Mapping[str, str], cell: Any, protocol: Any) -> 
     """
     if cell.arm not in ("wmtp", "wmtp-ring"):
         return {}
-    directory = server_env.get(plugin_stats.ENV)
-    found = plugin_stats.read(directory)
-    summary = plugin_stats.check(found, max(protocol.rungs), cell.sink, cell.window, cell.k, directory)
-    return {"wmtp_plugin": {"requested_sink": cell.sink, "requested_window": cell.window, **summary}}
+    return plugin_stats.cell_record(server_env.get(plugin_stats.ENV), cell, max(protocol.rungs))
 
 
 def parse_samples(text: str, prefix: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -335,3 +335,11 @@ def check(
                 f"between the sink and the window, but none was dropped; {one['message']}"
             )
     return total
+
+
+def cell_record(directory: str | None, cell: Any, longest_prompt: int) -> dict[str, Any]:
+    """What a windowed cell's manifest records of the plugin: the requested S and W beside ``check``'s summary of
+    the counters in ``directory`` (the effective sink and window, windowed forwards, skipped blocks); raises
+    ``WindowNotApplied`` when the window never ran."""
+    summary = check(read(directory), longest_prompt, cell.sink, cell.window, cell.k, directory)
+    return {"wmtp_plugin": {"requested_sink": cell.sink, "requested_window": cell.window, **summary}}

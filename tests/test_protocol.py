@@ -214,8 +214,11 @@ def _qa_requests(study, tmp_path: Path) -> set[tuple]:
     class Meter:
         available = False
 
+    engine = adapter("sglang")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cell_mod, "complete", fake_complete)
+        # No server: its metrics read as none.
+        patch.setattr(engine, "read_counters", lambda base_url: {})
         for workload in study.protocol.workloads:
             task = PromptTask("question", answer=("answer",))
             cell_mod._measure(
@@ -230,7 +233,7 @@ def _qa_requests(study, tmp_path: Path) -> set[tuple]:
                 study.protocol.output_tokens,
                 False,
                 None,
-                adapter("sglang"),
+                engine,
             )
     for request in sent:  # the counts a drafting SGLang response carries are asked for alongside
         assert request["extra_body"]["return_spec_tokens_details"] is True

@@ -245,7 +245,11 @@ def test_server_env_keeps_caches_in_the_cell(tmp_path):
     env = sglang.server_env({"HF_HUB_OFFLINE": "1"}, tmp_path / "work", tmp_path / "t")
     assert env["TMPDIR"] == str(tmp_path / "t") and env["HF_HUB_OFFLINE"] == "1"
     assert env["TRITON_CACHE_DIR"].startswith(str(tmp_path / "work"))
-    assert sglang.read_counters("http://127.0.0.1:1") == {}
+
+
+def test_every_server_exports_its_metrics_once():
+    assert _argv("none").count("--enable-metrics") == 1
+    assert _argv("mtp", engine_args=["--enable-metrics", "--mem-fraction-static", "0.8"]).count("--enable-metrics") == 1
 
 
 # --- version detection ------------------------------------------------------------------------------
@@ -307,6 +311,15 @@ def test_check_cell_refuses_cpu_and_ring():
     gpu = cpu.model_copy(update={"device": "cuda"})
     with pytest.raises(sglang.RingNotBuilt):
         sglang.check_cell(gpu, {}, Cell(study="s", model="m", engine="sg", arm="wmtp-ring", k=3, sink=1, window=8))
+
+
+def test_check_cell_refuses_an_sglang_that_does_not_export_the_request_clock():
+    spec = EngineSpec(name="sg", kind="sglang", device="cuda", packages=["sglang==0.5.17"])
+    none = Cell(study="s", model="m", engine="sg", arm="none")
+    lacking = {"server_metrics": {"ok": False, "missing": ["metric sglang:spec_verify_calls_total"]}}
+    with pytest.raises(sglang.SGLangError, match=r"does not export .*spec_verify_calls_total"):
+        sglang.check_cell(spec, {"versions": lacking}, none)
+    sglang.check_cell(spec, {"versions": {"server_metrics": {"ok": True}}}, none)
 
 
 # --- response parsing -------------------------------------------------------------------------------
@@ -402,10 +415,47 @@ def test_rung_counters_give_design_tok_per_verify():
         sglang.counters_from_requests([{"rung": 64, "completion_tokens": 9, "spec_verify_ct": None}], "mtp", 3)
 
 
+def test_without_counts_in_the_responses_the_rung_takes_the_servers():
+    # sglang 0.5.17's completions stream carries no spec details: its server's counters over the rung stand in.
+    rows = [{"rung": 64, "completion_tokens": 9, **sglang.request_fields({})} for _ in range(2)]
+    server = {"spec_verify_calls": 7.0, "clock_generation_tokens": 18.0, "clock_requests": 2.0}
+    c = sglang.counters_from_requests(rows, "mtp", 3, server)
+    assert (c["drafts"], c["draft_tokens"], c["accepted"]) == (7.0, 21.0, 11.0)
+    assert math.isclose(1 + c["accepted"] / c["drafts"], 18 / 7)
+    assert "correct_drafts" not in c and "accepted_pos_0" not in c
+    # Tokens the rung's responses did not generate: another request shared the server, the count is not theirs.
+    with pytest.raises(sglang.SGLangError, match=r"counted 19 generated tokens .*its 2 measured responses 18"):
+        sglang.counters_from_requests(rows, "mtp", 3, {**server, "clock_generation_tokens": 19.0})
+    with pytest.raises(sglang.SGLangError, match=r"server counted no verify cycles.*--enable-metrics"):
+        sglang.counters_from_requests(rows, "mtp", 3, {"clock_generation_tokens": 18.0})
+    assert sglang.counters_from_requests(rows, "none", 0, {}) == {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0}
+
+
+def test_server_counters_read_sglangs_metrics_summed_over_their_labels():
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    tokens = Counter("sglang:generation_tokens_total", "", ["model_name", "is_streaming"], registry=registry)
+    verify = Counter("sglang:spec_verify_calls_total", "", ["model_name"], registry=registry)
+    ttft = Histogram("sglang:time_to_first_token_seconds", "", ["model_name", "is_streaming"], registry=registry)
+    e2e = Histogram("sglang:e2e_request_latency_seconds", "", ["model_name", "is_streaming"], registry=registry)
+    for streaming, first, last, n, cycles in (("true", 0.5, 2.0, 100, 40), ("false", 0.25, 1.0, 50, 20)):
+        tokens.labels("m", streaming).inc(n)
+        verify.labels("m").inc(cycles)
+        ttft.labels("m", streaming).observe(first)
+        e2e.labels("m", streaming).observe(last)
+    got = sglang.server_counters(generate_latest(registry).decode())
+    assert got["clock_requests"] == 2 and got["clock_generation_tokens"] == 150 and got["spec_verify_calls"] == 60
+    assert math.isclose(got["clock_prefill_s"], 0.75)
+    assert math.isclose(got["clock_decode_s"], (2.0 - 0.5) + (1.0 - 0.25))
+    assert sglang.server_counters("") == {}
+
+
 # --- one study end to end against the stand-in server ------------------------------------------------
 
 
-def test_cells_against_a_stand_in_server(tmp_path, tiny_tokenizer):
+@pytest.mark.parametrize("spec_details", ["1", "0"], ids=["sglang-0.5.21-responses", "sglang-0.5.17-responses"])
+def test_cells_against_a_stand_in_server(tmp_path, tiny_tokenizer, spec_details):
     from wmtp.analyze.tidy import collect
     from wmtp.measure.cell import CellRun, run_cell
 
@@ -422,7 +472,7 @@ def test_cells_against_a_stand_in_server(tmp_path, tiny_tokenizer):
                 "device": "cuda",
                 "source": "python",
                 "python": sys.executable,
-                "env": {"PYTHONPATH": str(FAKE_SITE)},
+                "env": {"PYTHONPATH": str(FAKE_SITE), "FAKE_SGLANG_SPEC_DETAILS": spec_details},
             }
         ],
         "models": [{"name": "m", "path": str(model_dir), "max_model_len": 4096}],
@@ -465,13 +515,23 @@ def test_cells_against_a_stand_in_server(tmp_path, tiny_tokenizer):
     tables = collect(dirs, tmp_path / "tidy")
     rungs = tables["rungs"].set_index(["arm", "rung"])
     requests = tables["requests"]
-    for arm in ("mtp", "wmtp"):
+    # The stand-in's 17 tokens: the prefill's, then cycles of 2 accepted drafts and a bonus token (6 cycles, the
+    # last accepting none) without a window, of 1 and a bonus (8 cycles) with it.
+    for arm, cycles in (("mtp", 6), ("wmtp", 8)):
         for rung in (64, 160):
             measured = requests[(requests["arm"] == arm) & (requests["rung"] == rung)]
-            want = measured["completion_tokens"].sum() / measured["spec_verify_ct"].sum()
-            assert math.isclose(rungs.loc[(arm, rung), "tok_per_verify"], want), (arm, rung)
+            assert math.isclose(rungs.loc[(arm, rung), "tok_per_verify"], 17 / cycles), (arm, rung)
+            if spec_details == "1":
+                assert (measured["spec_verify_ct"] == cycles).all()
+            else:
+                assert measured["spec_verify_ct"].isna().all()
     assert (rungs.loc["none", "tok_per_verify"] == 1.0).all()
-    # The stand-in accepts 2 drafts a cycle without a window and 1 with it.
-    assert rungs.loc[("mtp", 64), "tok_per_verify"] > rungs.loc[("wmtp", 64), "tok_per_verify"]
     counters = pd.read_parquet(dirs[1] / "counters.parquet")
-    assert {"drafts", "draft_tokens", "accepted", "correct_drafts", "accepted_pos_0"} <= set(counters["counter"])
+    assert {"drafts", "draft_tokens", "accepted", "clock_requests", "spec_verify_calls"} <= set(counters["counter"])
+    # The histograms come with the responses' details only.
+    assert ({"correct_drafts", "accepted_pos_0"} <= set(counters["counter"])) == (spec_details == "1")
+    # Each request alone on the server is timed by the server's own clock, first output to last.
+    measured = requests[~requests["warmup"]]
+    assert (measured["clock"] == "engine").all()
+    assert (measured["engine_decode_s"] > 0).all()
+    assert (measured["engine_decode_s"] <= measured["client_decode_s"] + 0.05).all()

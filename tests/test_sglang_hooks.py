@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from test_vllm_versions import _QuietServer, _RangeServer
 
-from wmtp.engines import sglang_hooks
+from wmtp.engines import sglang, sglang_hooks
 from wmtp.engines import vllm_versions as vv
 from wmtp.plugin import sglang_hookpoints as hp
 
@@ -152,6 +152,18 @@ def test_the_target_release_with_a_hook_point_taken_away_fails(sglang_sources, t
     backend.write_text(head + changed)
     result = sglang_hooks.check_hook_points(copy)
     assert not result["ok"] and [line for line in result["missing"] if reported in line], result["missing"]
+
+
+def test_the_target_release_declares_the_server_metrics_the_adapter_reads(sglang_sources, tmp_path):
+    assert sglang_hooks.check_metrics(sglang_sources)["ok"], sglang_hooks.check_metrics(sglang_sources)["missing"]
+    copy = tmp_path / "sglang"
+    shutil.copytree(sglang_sources, copy)
+    collector = sglang_hooks.module_path(copy, sglang.METRICS_MODULE)
+    text = collector.read_text()
+    assert text.count('"sglang:spec_verify_calls_total"') == 1
+    collector.write_text(text.replace('"sglang:spec_verify_calls_total"', '"sglang:spec_verify_calls"'))
+    result = sglang_hooks.check_metrics(copy)
+    assert not result["ok"] and result["missing"] == [f"{sglang.METRICS_MODULE}: metric sglang:spec_verify_calls_total"]
 
 
 def test_the_sources_are_read_out_of_a_served_wheel_member_by_member(tmp_path, monkeypatch):

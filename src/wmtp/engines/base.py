@@ -118,6 +118,13 @@ class EngineAdapter(ABC):
         """Columns of requests.parquet taken from a response's non-OpenAI fields."""
         return {}
 
-    def counters_from_requests(self, rows: Sequence[Mapping[str, Any]], arm: str, k: int) -> dict[str, float] | None:
-        """A rung's counters from its measured rows, where server counters cannot be differenced; else None."""
+    def counters_from_requests(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        arm: str,
+        k: int,
+        server_delta: Mapping[str, float] | None = None,
+    ) -> dict[str, float] | None:
+        """A rung's counters from its measured rows (or the server's differences over the rung, ``server_delta``),
+        where the server's own spec-decode counters cannot be differenced; else None."""
         return None

@@ -29,22 +29,33 @@ Checkpoints: SGLang's Qwen3-Next config reads ``full_attention_interval``, which
 writes (``layer_types`` alone: the committed tiny checkpoint, the weightless dummies) lacks; ``serve_argv``
 passes it through ``--json-model-override-args`` (``config_overrides``).
 
-Counters: SGLang's Prometheus spec metrics are gauges (acceptance length/rate), which cannot be
-differenced over a rung, so ``read_counters`` returns nothing and the counts come from each response.
-With ``return_spec_tokens_details: true`` (``REQUEST_EXTRA``), a streamed ``/v1/completions`` ends
-with a chunk whose ``choices`` is empty and whose ``sglext.spec_tokens_details`` holds the request's
-``spec_verify_ct`` (verify cycles), ``spec_num_correct_drafts`` and ``spec_correct_drafts_histogram``
-(cycles that accepted 0, 1, … k drafts); the native ``/generate`` carries the same keys in
-``meta_info``. ``counters_from_requests`` sums them over a rung into the short names the tidy step
-reads, chosen so that its ``1 + accepted / drafts`` is the SGLang formula of docs/design.md ("Formulas")
-``tokPerVerify = completion_tokens / spec_verify_ct``:
+Server metrics (``--enable-metrics``, which ``serve_argv`` adds): SGLang's server keeps each request's figures
+on its own clock, the tokenizer manager's (``time.perf_counter``): the request received, its first output received
+from the scheduler, its last. It exports them as histograms, and the verify cycles and tokens of finished requests
+as counters (:data:`SERVER_SAMPLES`, checked against SGLang's source by ``wmtp.engines.sglang_hooks``).
+``read_counters`` reads them, so that a request alone on the server owns their differences as a vLLM request owns
+vLLM's: ``clock_decode_s`` (end to end less time to first token: first output to last, the server's view of the
+decode, which the client's stream can only see later), ``clock_prefill_s`` (time to first token, queue included),
+``clock_requests`` and ``clock_generation_tokens``. The spec metrics proper are gauges (acceptance
+length/rate), which cannot be differenced over a rung.
+
+Counts: a streamed ``/v1/completions`` with ``return_spec_tokens_details: true`` (``REQUEST_EXTRA``; sglang 0.5.21
+on) ends with a chunk whose ``choices`` is empty and whose ``sglext.spec_tokens_details`` holds the request's
+``spec_verify_ct`` (verify cycles), ``spec_num_correct_drafts`` and ``spec_correct_drafts_histogram`` (cycles that
+accepted 0, 1, … k drafts); the native ``/generate`` carries the same keys in ``meta_info``. sglang 0.5.17's
+completions stream carries none of them (its ``sglext`` has routed experts and cached tokens only): there the
+rung's verify cycles are the difference of ``sglang:spec_verify_calls_total`` and its tokens that of
+``sglang:generation_tokens_total``, the same two numbers summed on the server. ``counters_from_requests`` turns
+either into the short names the tidy step reads, chosen so that its ``1 + accepted / drafts`` is the SGLang formula
+of docs/design.md ("Formulas") ``tokPerVerify = completion_tokens / spec_verify_ct``:
 
 * ``drafts`` = Σ spec_verify_ct; ``draft_tokens`` = k · Σ spec_verify_ct;
 * ``accepted`` = Σ completion_tokens − Σ spec_verify_ct (so it also counts each request's first token,
   which comes from prefill, not from a verify cycle: the acceptance rate reads up to 1/verify_ct high; a
   question answered at its first token, EOS right after the prefill, has spec_verify_ct 0 and is counted so);
 * ``correct_drafts`` = Σ spec_num_correct_drafts, the strict count, when every response has it;
-* ``accepted_pos_<p>`` = cycles that accepted more than p drafts, from the histograms, when present.
+* ``accepted_pos_<p>`` = cycles that accepted more than p drafts, from the histograms, when present (not from
+  the server's counters, which keep no histogram).
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from wmtp.engines.base import CellRefused, EngineAdapter, ServeRequest, flag_value, has_flag
+from wmtp.engines.prometheus import fetch_metrics, summed
 from wmtp.plugin import sglang_hookpoints
 from wmtp.plugin import stats as plugin_stats
 
@@ -81,6 +93,23 @@ ARM_FLAGS = (
 )
 # Asked of every request so that the response carries its spec-decode counts.
 REQUEST_EXTRA = {"return_spec_tokens_details": True}
+# The server's Prometheus metrics, off unless asked for: its per-request clock and counters.
+METRICS_FLAG = "--enable-metrics"
+METRICS_PREFIX = "sglang:"
+# Sample names (a counter's with _total, a histogram's with _sum or _count) → short names. The verify cycles and
+# tokens are counted when a request finishes, before its end-to-end latency is observed, so a snapshot that has seen
+# a request's end has seen its counts.
+SERVER_SAMPLES = {
+    "sglang:e2e_request_latency_seconds_sum": "clock_e2e_s",
+    "sglang:e2e_request_latency_seconds_count": "clock_requests",
+    "sglang:time_to_first_token_seconds_sum": "clock_prefill_s",
+    "sglang:time_to_first_token_seconds_count": "clock_first_tokens",
+    "sglang:generation_tokens_total": "clock_generation_tokens",
+    "sglang:spec_verify_calls_total": "spec_verify_calls",
+}
+FINISHED_REQUESTS = "clock_requests"
+# Where SGLang declares them (0.5.17 to 0.5.23).
+METRICS_MODULE = "sglang.srt.observability.metrics_collector"
 
 
 class SGLangError(CellRefused):
@@ -226,7 +255,8 @@ def serve_argv(request: ServeRequest) -> list[str]:
         str(r.max_model_len),
     ]
     draft = r.draft
-    return argv + extra + speculative_args(draft.arm, draft.k, draft.sink, draft.window, extra)
+    metrics = [] if has_flag(extra, METRICS_FLAG) else [METRICS_FLAG]
+    return argv + metrics + extra + speculative_args(draft.arm, draft.k, draft.sink, draft.window, extra)
 
 
 def server_env(
@@ -262,9 +292,24 @@ def verify_windowed(server_env: Mapping[str, str], cell: Any, protocol: Any) -> 
     return plugin_stats.cell_record(server_env.get(plugin_stats.ENV), cell, max(protocol.rungs))
 
 
+def metric_families() -> set[str]:
+    """The metrics :data:`SERVER_SAMPLES` reads, as SGLang's source declares them (a histogram without the suffix
+    of its sample, a counter with ``_total``)."""
+    return {name.removesuffix("_sum").removesuffix("_count") for name in SERVER_SAMPLES}
+
+
+def server_counters(text: str) -> dict[str, float]:
+    """The server's cumulative figures from its /metrics text (short names of :data:`SERVER_SAMPLES`, each summed
+    over its labels), with ``clock_decode_s`` = end to end less time to first token where both are there."""
+    found = summed(text, METRICS_PREFIX, SERVER_SAMPLES)
+    if "clock_e2e_s" in found and "clock_prefill_s" in found:
+        found["clock_decode_s"] = found["clock_e2e_s"] - found["clock_prefill_s"]
+    return found
+
+
 def read_counters(base_url: str) -> dict[str, float]:
-    """Nothing: SGLang's spec metrics are gauges; the counts come per request (``counters_from_requests``)."""
-    return {}
+    """The server's cumulative clock sums and counts (``server_counters``); raises where its metrics are off."""
+    return server_counters(fetch_metrics(base_url))
 
 
 def check_cell(spec: Any, engine_manifest: Mapping[str, Any], cell: Any, extra_args: Sequence[str] = ()) -> None:
@@ -279,6 +324,14 @@ def check_cell(spec: Any, engine_manifest: Mapping[str, Any], cell: Any, extra_a
         )
     if cell.arm == "wmtp-ring":
         speculative_args(cell.arm, cell.k, cell.sink, cell.window)  # raises RingNotBuilt
+    metrics = (engine_manifest.get("versions") or {}).get("server_metrics") or {}
+    if metrics and not metrics.get("ok"):
+        why = "; ".join(metrics.get("missing") or []) or metrics.get("error") or "?"
+        raise SGLangError(
+            f"engine {spec.name!r}: this SGLang does not export what the cells time and count a request by ({why}); "
+            f"without them no cycle is timed on the server's clock and no verify cycle is counted on sglang "
+            f"< {FIRST_WINDOWED_VERSION}"
+        )
     if cell.arm == "wmtp" and windowed_by_plugin(cell.arm, extra_args):
         versions = engine_manifest.get("versions") or {}
         if cell.k < 2:
@@ -350,21 +403,45 @@ def request_fields(extensions: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def counters_from_requests(rows: Sequence[Mapping[str, Any]], arm: str, k: int) -> dict[str, float]:
-    """The rung's counters (short names, see the module docstring) from its measured request rows."""
+def _server_verify_count(
+    rows: Sequence[Mapping[str, Any]], arm: str, server_delta: Mapping[str, float] | None, missing: int
+) -> float:
+    """The rung's verify cycles as the server counted them, where the responses carry none; raises where the
+    server's count is missing or its tokens are not the rung's own."""
+    where = f"rung {rows[0].get('rung')}"
+    delta = server_delta or {}
+    verify, tokens = delta.get("spec_verify_calls"), delta.get("clock_generation_tokens")
+    if verify is None or tokens is None:
+        raise SGLangError(
+            f"{where}: {missing} of {len(rows)} responses carry no spec_verify_ct and the server counted no verify "
+            f"cycles, so tokPerVerify cannot be computed; the server must run a draft (arm {arm!r}) with "
+            f"{METRICS_FLAG}, or answer return_spec_tokens_details (sglang>={FIRST_WINDOWED_VERSION})"
+        )
+    completion = sum(int(r["completion_tokens"]) for r in rows)
+    if tokens != completion:
+        raise SGLangError(
+            f"{where}: the server counted {tokens:g} generated tokens over the rung, its {len(rows)} measured "
+            f"responses {completion}; another request ran on the server meanwhile, so its verify cycles are not "
+            "the rung's"
+        )
+    return float(verify)
+
+
+def counters_from_requests(
+    rows: Sequence[Mapping[str, Any]], arm: str, k: int, server_delta: Mapping[str, float] | None = None
+) -> dict[str, float]:
+    """The rung's counters (short names, see the module docstring) from its measured request rows, or from the
+    server's counts over the rung (``server_delta``: differences of ``read_counters``) where the rows have none."""
     out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0}
     if arm == "none" or not rows:
         return out
     missing = [r for r in rows if r.get("spec_verify_ct") is None]
-    if missing:
-        first = missing[0]
-        raise SGLangError(
-            f"rung {first.get('rung')}: {len(missing)} of {len(rows)} responses carry no spec_verify_ct, so "
-            f"tokPerVerify cannot be computed; the server must answer return_spec_tokens_details "
-            f"(sglang>={FIRST_WINDOWED_VERSION}) and run a draft (arm {arm!r})"
-        )
-    verify = float(sum(r["spec_verify_ct"] for r in rows))
     completion = float(sum(r["completion_tokens"] for r in rows))
+    if missing:
+        verify = _server_verify_count(rows, arm, server_delta, len(missing))
+        out.update(drafts=verify, draft_tokens=k * verify, accepted=completion - verify)
+        return out
+    verify = float(sum(r["spec_verify_ct"] for r in rows))
     out.update(drafts=verify, draft_tokens=k * verify, accepted=completion - verify)
     if all(r.get("spec_correct_drafts") is not None for r in rows):
         out["correct_drafts"] = float(sum(r["spec_correct_drafts"] for r in rows))
@@ -403,6 +480,11 @@ VERSION_PROBE = (
     "except Exception as err:\n"
     "    info['wmtp_hooks'] = {'ok': False, 'error': repr(err)[:300]}\n"
     "try:\n"
+    "    from wmtp.engines.sglang_hooks import check_metrics\n"
+    "    info['server_metrics'] = check_metrics(srt.parent)\n"
+    "except Exception as err:\n"
+    "    info['server_metrics'] = {'ok': False, 'error': repr(err)[:300]}\n"
+    "try:\n"
     "    from sglang.srt import server_args as sa\n"
     "    parser = argparse.ArgumentParser()\n"
     "    sa.ServerArgs.add_cli_args(parser)\n"
@@ -419,6 +501,7 @@ class SGLangAdapter(EngineAdapter):
     health_path = HEALTH_PATH
     version_probe = VERSION_PROBE
     request_extra = REQUEST_EXTRA
+    finished_requests_counter = FINISHED_REQUESTS
     cache_env = ("TRITON_CACHE_DIR", "XDG_CACHE_HOME")
 
     def serve_argv(self, request: ServeRequest) -> list[str]:
@@ -441,5 +524,11 @@ class SGLangAdapter(EngineAdapter):
     def request_fields(self, extensions: Mapping[str, Any]) -> dict[str, Any]:
         return request_fields(extensions)
 
-    def counters_from_requests(self, rows: Sequence[Mapping[str, Any]], arm: str, k: int) -> dict[str, float]:
-        return counters_from_requests(rows, arm, k)
+    def counters_from_requests(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        arm: str,
+        k: int,
+        server_delta: Mapping[str, float] | None = None,
+    ) -> dict[str, float]:
+        return counters_from_requests(rows, arm, k, server_delta)

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from wmtp.engines.sglang import METRICS_MODULE, metric_families
 from wmtp.plugin import sglang_hookpoints as hp
 
 
@@ -36,9 +37,9 @@ def source_version(root: Path) -> str | None:
 
 
 def source_members() -> set[str]:
-    """The wheel members the check reads: each module's file, or its package's ``__init__.py``."""
+    """The wheel members the checks read: each module's file, or its package's ``__init__.py``."""
     members = set()
-    for module in (hp.PLUGINS_MODULE, hp.BACKEND_MODULE, hp.VERSION_MODULE):
+    for module in (hp.PLUGINS_MODULE, hp.BACKEND_MODULE, hp.VERSION_MODULE, METRICS_MODULE):
         base = "/".join(module.split("."))
         members |= {f"{base}.py", f"{base}/__init__.py"}
     return members
@@ -51,6 +52,7 @@ def fetch_sources(version: str, dest: Path) -> dict[str, Any]:
     members = source_members()
     found = fetch_wheel_sources(version, dest, "sglang", members.__contains__)
     found["hook_points"] = check_hook_points(dest / "sglang")
+    found["server_metrics"] = check_metrics(dest / "sglang")
     return found
 
 
@@ -169,3 +171,26 @@ def check_hook_points(root: Path | str) -> dict[str, Any]:
         "found": report.found,
         "missing": report.missing,
     }
+
+
+def declared_metrics(tree: ast.Module) -> set[str]:
+    """The metric names a module declares: every string constant passed as ``name=`` to a call."""
+    return {
+        keyword.value.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        for keyword in node.keywords
+        if keyword.arg == "name" and isinstance(keyword.value, ast.Constant) and isinstance(keyword.value.value, str)
+    }
+
+
+def check_metrics(root: Path | str) -> dict[str, Any]:
+    """Whether the SGLang package folder ``root`` declares the server metrics the SGLang adapter reads
+    (``wmtp.engines.sglang.SERVER_SAMPLES``): found and missing, as :func:`check_hook_points` says them."""
+    root = Path(root)
+    report = _Report()
+    tree = _parse(root, METRICS_MODULE, report)
+    declared = declared_metrics(tree) if tree is not None else set()
+    for name in sorted(metric_families()):
+        report.note(name in declared, f"{METRICS_MODULE}: metric {name}")
+    return {"root": str(root), "version": source_version(root), "ok": not report.missing, **vars(report)}

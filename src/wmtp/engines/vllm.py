@@ -11,10 +11,10 @@ from types import MappingProxyType
 from typing import Any
 
 from wmtp.engines.base import CellRefused, EngineAdapter, ServeRequest, flag_value
+from wmtp.engines.prometheus import fetch_metrics, parse_samples, summed
 from wmtp.plugin import stats as plugin_stats
 
 HEALTH_PATH = "/health"
-METRICS_PATH = "/metrics"
 COUNTER_PREFIX = "vllm:spec_decode_"
 
 # Counter names (sample names, with the _total suffix) → short names in our tables.
@@ -212,18 +212,6 @@ def verify_windowed(server_env: Mapping[str, str], cell: Any, protocol: Any) -> 
     return plugin_stats.cell_record(server_env.get(plugin_stats.ENV), cell, max(protocol.rungs))
 
 
-def parse_samples(text: str, prefix: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every Prometheus sample whose name starts with ``prefix``, keyed by (name, labels)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.startswith(prefix):
-                out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
-    return out
-
-
 def spec_counters(text: str) -> dict[str, float]:
     """Short-named spec-decode counters from /metrics text, summed across ``engine`` labels (data-parallel ranks).
 
@@ -246,20 +234,7 @@ def spec_counters(text: str) -> dict[str, float]:
 def engine_clock(text: str) -> dict[str, float]:
     """The engine's per-request clock sums from /metrics text, summed across ``engine`` labels (short names,
     :data:`CLOCK_HISTOGRAMS`); empty where the server exposes none of them."""
-    totals: dict[str, float] = {}
-    for (name, _labels), value in parse_samples(text, "vllm:request_").items():
-        if name in CLOCK_HISTOGRAMS:
-            short = CLOCK_HISTOGRAMS[name]
-            totals[short] = totals.get(short, 0.0) + value
-    return totals
-
-
-def fetch_metrics(base_url: str, timeout_s: float = 30.0) -> str:
-    import httpx
-
-    response = httpx.get(base_url + METRICS_PATH, timeout=timeout_s)
-    response.raise_for_status()
-    return response.text
+    return summed(text, "vllm:request_", CLOCK_HISTOGRAMS)
 
 
 def read_counters(base_url: str) -> dict[str, float]:

@@ -368,8 +368,8 @@ def _sweep_rung(
     after = settled_counters(engine, base_url, before, repeats * run.cell.concurrency)
     t_after = time.time()
     measured = [r for r in run.rows if r["rung"] == rung and r["workload"] == workload and not r["warmup"]]
-    from_requests = engine.counters_from_requests(measured, run.cell.arm, run.cell.k)
-    if from_requests is not None:  # server counters cannot be differenced (SGLang)
+    from_requests = engine.counters_from_requests(measured, run.cell.arm, run.cell.k, delta(before, after))
+    if from_requests is not None:  # the engine's spec counters cannot be differenced (SGLang)
         after = {**after, **from_requests}
     d = delta(before, after)
     for name in sorted(set(before) | set(after)):

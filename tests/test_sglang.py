@@ -456,6 +456,7 @@ def test_server_counters_read_sglangs_metrics_summed_over_their_labels():
 
 @pytest.mark.parametrize("spec_details", ["1", "0"], ids=["sglang-0.5.21-responses", "sglang-0.5.17-responses"])
 def test_cells_against_a_stand_in_server(tmp_path, tiny_tokenizer, spec_details):
+    from wmtp.analyze.lossless import lossless_table
     from wmtp.analyze.tidy import collect
     from wmtp.measure.cell import CellRun, run_cell
 
@@ -486,6 +487,7 @@ def test_cells_against_a_stand_in_server(tmp_path, tiny_tokenizer, spec_details)
             "warmup_output_tokens": 4,
             "health_timeout_s": 60,
             "request_timeout_s": 60,
+            "record_tokens": True,
         },
     }
     study = study_from_dict(raw, base_dir=tmp_path)
@@ -535,3 +537,8 @@ def test_cells_against_a_stand_in_server(tmp_path, tiny_tokenizer, spec_details)
     assert (measured["clock"] == "engine").all()
     assert (measured["engine_decode_s"] > 0).all()
     assert (measured["engine_decode_s"] <= measured["client_decode_s"] + 0.05).all()
+    # Every answer recorded token for token, with its candidates' gap, and judged against the no-draft arm's.
+    assert (measured["token_ids"].map(len) == 17).all() and (measured["top2_gap"].map(min) > 2.9).all()
+    lossless = lossless_table(requests)
+    assert len(lossless) == len(measured[measured["arm"] != "none"]) and lossless["identical"].all()
+    assert set(lossless["reference_arm"]) == {"none"}

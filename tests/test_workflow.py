@@ -87,6 +87,17 @@ def test_h200_study_dry_run(tmp_path):
     assert "--max-position-embeddings 1049600" in out.stdout
 
 
+def test_the_h200_sglang_study_plans_its_pieces_on_the_carried_sglang(tmp_path):
+    """SGLang's H200 study: the same weightless model, the carried SGLang as its engine, each listed piece, a step
+    file; every server exports its metrics and drafts on FlashAttention, which the SGLang plugin windows."""
+    out = run("-n", "-p", "--configfile", "config/studies/h200-sglang.yaml", *scratch_dirs(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    jobs = job_counts(out.stdout)
+    assert jobs["dummy_model"] == 1 and jobs["engine"] == 1 and jobs["piece"] == 12 and jobs["step_table"] == 1
+    assert not {"cell", "collect", "report"} & set(jobs)
+    assert "results/h200-sglang/steps/qwen3.6-35b-a3b~sglang.csv" in out.stdout
+
+
 def test_the_h200_profile_study_plans_one_traced_server_per_arm(tmp_path):
     from wmtp.config import load_study
 

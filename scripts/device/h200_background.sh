@@ -32,7 +32,10 @@
 set -uo pipefail
 
 state=${WMTP_BACKGROUND_STATE:-/tmp/wmtp-background} # the runs' own folder, outside every copy of the tree
-site=/tmp/wmtp-engine/site
+# The carried engine: vLLM's under /tmp/wmtp-engine; ENGINE_DIR=/tmp/wmtp-sglang (with ENGINE_CACHE=
+# results/engines/sglang/cache) for SGLang's, which carries its own Snakemake.
+export ENGINE_DIR=${ENGINE_DIR:-/tmp/wmtp-engine}
+site=$ENGINE_DIR/site
 cache=${ENGINE_CACHE:-results/engines/vllm/cache}
 carried_cache=.gpu-inputs/compile-cache.tar.gz
 cache_limit=$((15 * 1024 * 1024)) # what one file back from the H200 may weigh, with room

@@ -10,7 +10,7 @@ or the cell id format changes here or nowhere. The tree of one study::
         tidy/<table>.parquet        TIDY_TABLES, derived from every complete cell
         tidy/<group>/<table>.parquet  the same tables of one group of pieces
         steps/<model>~<engine>.csv  the step file of the pieces of one model on one engine
-        derived/<table>.parquet     DERIVED_TABLES: the paired comparisons and the excluded requests
+        derived/<table>.parquet     DERIVED_TABLES: the paired comparisons, the excluded requests, the outputs judged
         report/index.html           the rendered report
         logs/                       one log per job
 """
@@ -56,7 +56,7 @@ SERVER_FAILED_LOG = "server.failed.log"
 TIDY_TABLES = ("requests", "rungs", "positions", "admission")
 # The ring's admission proof, one per (model, engine): raw/admission/<model>~<engine>.json.
 ADMISSION_DIR = "admission"
-DERIVED_TABLES = ("answer", "excluded")
+DERIVED_TABLES = ("answer", "excluded", "lossless")
 
 # Cell ids: "model~M/engine~E/arm~A[/k~K][/s~S/w~W]/c~C[/server~N]". k appears for drafting arms, s and w for
 # windowed ones, so an id names exactly the settings that matter to its arm; server N of a study that starts

@@ -66,6 +66,8 @@ class EngineAdapter(ABC):
     version_probe: ClassVar[str]
     # Fields added to every request body.
     request_extra: ClassVar[Mapping[str, Any] | None] = None
+    # Fields added where a study records each generated token's id (the client asks for log-probabilities itself).
+    token_request_fields: ClassVar[Mapping[str, Any]] = {}
     # Environment variables that must point into the cell's own directories, never a shared default.
     cache_env: ClassVar[tuple[str, ...]] = ()
     # The counter of ``read_counters`` that counts finished requests on the engine's own clock, where the engine

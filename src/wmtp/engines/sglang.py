@@ -93,6 +93,9 @@ ARM_FLAGS = (
 )
 # Asked of every request so that the response carries its spec-decode counts.
 REQUEST_EXTRA = {"return_spec_tokens_details": True}
+# Asked where a study records its tokens: SGLang names log-probability candidates by text, and gives each chunk's
+# generated ids in its choice on request.
+TOKEN_REQUEST_FIELDS = {"return_token_ids": True}
 # The server's Prometheus metrics, off unless asked for: its per-request clock and counters.
 METRICS_FLAG = "--enable-metrics"
 METRICS_PREFIX = "sglang:"
@@ -501,6 +504,7 @@ class SGLangAdapter(EngineAdapter):
     health_path = HEALTH_PATH
     version_probe = VERSION_PROBE
     request_extra = REQUEST_EXTRA
+    token_request_fields = TOKEN_REQUEST_FIELDS
     finished_requests_counter = FINISHED_REQUESTS
     cache_env = ("TRITON_CACHE_DIR", "XDG_CACHE_HOME")
 

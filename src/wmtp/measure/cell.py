@@ -168,7 +168,7 @@ def settled_counters(
     return after
 
 
-def _top2_gap(top: dict[int, float]) -> float:
+def _top2_gap(top: dict[int | str, float]) -> float:
     """Logprob gap between the two best candidates: small means a near-tie that numerics may flip."""
     best = sorted(top.values(), reverse=True)
     return best[0] - best[1] if len(best) > 1 else float("inf")
@@ -263,7 +263,11 @@ def _measure(
                 timeout_s=run.protocol.request_timeout_s,
                 on_first_token=first_token,
                 client=client,
-                extra_body={**(engine.request_extra or {}), **engine.sampling_fields(run.protocol)},
+                extra_body={
+                    **(engine.request_extra or {}),
+                    **(engine.token_request_fields if run.protocol.record_tokens else {}),
+                    **engine.sampling_fields(run.protocol),
+                },
                 chat=chat_settings(run.study, run.cell.model),
             )
             if per_request_windows:

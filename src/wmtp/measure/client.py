@@ -35,8 +35,9 @@ class Completion:
     first_token_at: float
     finished_at: float
     token_ids: list[int] = field(default_factory=list)
-    # Per generated token: {token_id: logprob} of the top candidates, when logprobs were requested.
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Per generated token: {token_id: logprob} of the top candidates, when logprobs were requested (keyed by the
+    # candidate's text where the server names candidates by text).
+    top_logprobs: list[dict[int | str, float]] = field(default_factory=list)
     finish_reason: str | None = None
     # time.monotonic() at each streamed chunk that carried output. A chunk holds one engine step's tokens or, when
     # the server's output loop falls behind the engine, several steps' (seen on an H200: 1.2 to 1.8 tokens a chunk
@@ -70,6 +71,12 @@ def _token_id(token: str) -> int:
     return int(token.rsplit(":", 1)[1])
 
 
+def _token_key(token: str) -> int | str:
+    """A candidate's id where the server names tokens by id (vLLM), else its text (SGLang, whose choices carry the
+    generated ids themselves under ``return_token_ids``)."""
+    return _token_id(token) if token.startswith("token_id:") else token
+
+
 _OPENAI_KEYS = frozenset({"id", "object", "created", "model", "choices", "usage", "system_fingerprint"})
 
 
@@ -92,17 +99,31 @@ def _choice_text(choice: Mapping[str, Any]) -> str:
     return (delta.get("reasoning_content") or delta.get("reasoning") or "") + (delta.get("content") or "")
 
 
-def _add_logprobs(lp: Mapping[str, Any] | None, token_ids: list[int], tops: list[dict[int, float]]) -> None:
+def _add_logprobs(
+    lp: Mapping[str, Any] | None, token_ids: list[int], tops: list[dict[int | str, float]], ids_given: bool
+) -> None:
+    """The chunk's generated ids (unless its choice gave them, ``ids_given``) and each token's top candidates."""
     if not lp:
         return
     if "content" in lp:  # chat: one entry per token, with its top candidates as a list
         for entry in lp.get("content") or []:
-            token_ids.append(_token_id(entry["token"]))
-            tops.append({_token_id(t["token"]): t["logprob"] for t in entry.get("top_logprobs") or []})
+            if not ids_given:
+                token_ids.append(_token_id(entry["token"]))
+            tops.append({_token_key(t["token"]): t["logprob"] for t in entry.get("top_logprobs") or []})
         return
-    token_ids += [_token_id(t) for t in lp.get("tokens") or []]
+    if not ids_given:
+        token_ids += [_token_id(t) for t in lp.get("tokens") or []]
     for top in lp.get("top_logprobs") or []:
-        tops.append({_token_id(t): v for t, v in (top or {}).items()})
+        tops.append({_token_key(t): v for t, v in (top or {}).items()})
+
+
+def _add_tokens(choice: Mapping[str, Any], token_ids: list[int], tops: list[dict[int | str, float]]) -> None:
+    """A choice's generated ids, from its own ``token_ids`` (SGLang's ``return_token_ids``) or its log-probabilities'
+    tokens, and each token's top candidates."""
+    given = choice.get("token_ids")
+    if given is not None:
+        token_ids += [int(t) for t in given]
+    _add_logprobs(choice.get("logprobs"), token_ids, tops, ids_given=given is not None)
 
 
 def _carries_output(choice: Mapping[str, Any]) -> bool:
@@ -172,7 +193,7 @@ def complete(
     client = client or httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
     texts: list[str] = []
     token_ids: list[int] = []
-    tops: list[dict[int, float]] = []
+    tops: list[dict[int | str, float]] = []
     usage: dict | None = None
     finish: str | None = None
     first_at: float | None = None
@@ -201,7 +222,7 @@ def complete(
                             on_first_token()
                     texts.append(_choice_text(choice))
                     finish = choice.get("finish_reason") or finish
-                    _add_logprobs(choice.get("logprobs"), token_ids, tops)
+                    _add_tokens(choice, token_ids, tops)
     except httpx.HTTPError as err:
         raise RequestError(f"request to {base_url} failed: {err!r}") from err
     finally:

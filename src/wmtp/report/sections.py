@@ -17,6 +17,7 @@ import pandas as pd
 
 from wmtp.analyze import analysis as an
 from wmtp.analyze import answer
+from wmtp.analyze.lossless import lossless_summary, lossless_table
 from wmtp.report.compare import (
     costmodel_section,
     paper_claim,
@@ -175,6 +176,19 @@ def answer_sentences(tidy: Tidy, rows: pd.DataFrame | None = None) -> list[str]:
     longest = longest.assign(_o=longest["quantity"].map(order), _r=longest["verdict"] != answer.RESOLVED)
     qualify = answer.varying_settings(rows)
     return [answer.sentence(r, qualify) for _, r in longest.sort_values(["_r", "workload", "_o"]).iterrows()]
+
+
+def lossless_section(tidy: Tidy) -> Section:
+    """Per series, its recorded answers judged against the same prompts' without a draft: identical, equal up to
+    near ties, diverged. Empty where the study recorded no tokens."""
+    path = tidy.derived_dir / "lossless.parquet" if tidy.derived_dir is not None else None
+    table = pd.read_parquet(path) if path is not None and path.exists() else lossless_table(tidy.requests)
+    summary = lossless_summary(table)
+    if summary.empty:
+        return Section()
+    diverged = table[~table["equal"].astype(bool)]
+    notes = tuple(f"{r['cell_id']} ({r['workload']}, rung {r['rung']}): {r['reason']}" for _, r in diverged.iterrows())
+    return Section(summary, notes)
 
 
 def excluded_section(tidy: Tidy) -> Section:
@@ -574,6 +588,8 @@ class ReportData:
     answer: Section
     findings: list[str]
     excluded: Section
+    #: Each series' recorded answers against the same prompts' without a draft (where tokens were recorded).
+    lossless: Section
     paper: Section
     ring_reclaim: Section
     kv_capacity: Section
@@ -648,6 +664,7 @@ def load_report_data(
         answer=answer_section(tidy, rows),
         findings=answer_sentences(tidy, rows),
         excluded=excluded_section(tidy),
+        lossless=lossless_section(tidy),
         paper=paper_claim_section(replica_table, published),
         ring_reclaim=ring_reclaim_section(),
         kv_capacity=kv_capacity_section(tidy),

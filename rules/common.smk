@@ -287,5 +287,6 @@ def all_targets():
     traces = [layout.trace_file(RESULTS)] if PROFILED else []
     if PIECES:
         groups = [file for group in piece_groups() for file in layout.piece_tidy_files(RESULTS, group)]
-        return [RESOLVED_CONFIG, *step_files(), *groups, *traces]
+        lossless = [layout.lossless_file(RESULTS)] if STUDY.protocol.record_tokens else []
+        return [RESOLVED_CONFIG, *step_files(), *groups, *traces, *lossless]
     return [layout.report_file(RESULTS), RESOLVED_CONFIG, *tidy_tables(), *derived_tables(), *traces]

@@ -107,3 +107,22 @@ rule trace_table:
         "../envs/pipeline.yaml"
     shell:
         "{params.py} -m wmtp --log {log:q} trace-table {params.cells:q} --out {output:q}"
+
+
+# Every recorded answer of the listed pieces judged against the same prompt's without a draft (a study that records
+# its tokens: protocol.record_tokens).
+rule lossless_pieces:
+    input:
+        requests=[layout.piece_tidy_dir(RESULTS, g) / layout.REQUESTS_FILE for g in piece_groups()],
+        code=source_files("analyze"),
+    output:
+        layout.lossless_file(RESULTS),
+    log:
+        LOGS / "lossless.log",
+    params:
+        py=PY,
+    localrule: True
+    conda:
+        "../envs/pipeline.yaml"
+    shell:
+        "{params.py} -m wmtp --log {log:q} lossless --out {output:q} {input.requests:q}"

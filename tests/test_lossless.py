@@ -100,3 +100,18 @@ def test_a_study_that_recorded_no_tokens_has_an_empty_table():
     assert lossless_table(requests).empty and list(lossless_table(requests).columns) == COLUMNS
     assert lossless_summary(lossless_table(requests)).empty
     assert lossless_table(pd.DataFrame()).empty
+
+
+def test_wmtp_lossless_judges_the_tables_of_every_group_together(tmp_path):
+    from wmtp import cli
+
+    # The reference and the drafting answers in two groups of pieces, as a study measured in pieces leaves them.
+    first, second = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    pd.DataFrame([_row("none", "none", REFERENCE, GAPS)]).to_parquet(first)
+    pd.DataFrame([_row("wmtp", "wmtp", [5, 9, 7, 8], GAPS, k=3, sink=16, window=256)]).to_parquet(second)
+    out = tmp_path / "lossless.csv"
+    assert cli.main(["lossless", "--out", str(out), str(first), str(second)]) == 0
+    table = pd.read_csv(out)
+    assert table[["cell_id", "reference_cell_id", "equal", "identical"]].values.tolist() == [
+        ["wmtp", "none", True, False]
+    ]

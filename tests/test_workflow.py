@@ -98,6 +98,13 @@ def test_the_h200_sglang_study_plans_its_pieces_on_the_carried_sglang(tmp_path):
     assert "results/h200-sglang/steps/qwen3.6-35b-a3b~sglang.csv" in out.stdout
 
 
+def test_the_sglang_proofs_study_judges_its_recorded_answers(tmp_path):
+    out = run("-n", "--configfile", "config/studies/h200-sglang-proofs.yaml", *scratch_dirs(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    jobs = job_counts(out.stdout)
+    assert jobs["piece"] == 4 and jobs["lossless_pieces"] == 1 and jobs["step_table"] == 1
+
+
 def test_the_h200_profile_study_plans_one_traced_server_per_arm(tmp_path):
     from wmtp.config import load_study
 

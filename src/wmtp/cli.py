@@ -120,6 +120,23 @@ def cmd_iteration_statistic(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lossless(args: argparse.Namespace) -> int:
+    """Tidy requests tables → each recorded answer judged against the same prompt's without a draft, as CSV; the
+    summary per series in the log."""
+    import pandas as pd
+
+    from wmtp.analyze.lossless import lossless_summary, lossless_table
+
+    frames = [pd.read_parquet(path) for path in args.requests]
+    requests = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    table = lossless_table(requests)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(args.out, index=False)
+    summary = lossless_summary(table)
+    logging.getLogger("wmtp.lossless").info("wrote %s: %d answers judged\n%s", args.out, len(table), summary)
+    return 0
+
+
 def cmd_trace_table(args: argparse.Namespace) -> int:
     """Profiled cells' traces → one row per (traced request, component): steps, wall, device busy and idle, the
     component's device time and its byte floor (µs)."""
@@ -379,6 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", default="code")
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_step_table)
+
+    p = sub.add_parser("lossless", help="tidy requests → each recorded answer against the no-draft answer, CSV")
+    p.add_argument("requests", type=Path, nargs="+", help="tidy requests.parquet files (one per group of pieces)")
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_lossless)
 
     p = sub.add_parser("trace-table", help="profiled cells → each traced decode cycle's time per component, CSV")
     p.add_argument("cells", type=Path, nargs="+", help="raw cell folders of a profiling study")

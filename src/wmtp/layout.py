@@ -50,6 +50,7 @@ RAW_SUCCESS_FILES = (REQUESTS_FILE, COUNTERS_FILE, ENERGY_FILE, POWER_FILE, SERV
 # A profiling study's cell also leaves the engine's traces here, one file per traced request (gzip'd JSON).
 PROFILE_DIR = "profile"
 TRACES_FILE = "traces.csv"
+LOSSLESS_FILE = "lossless.csv"
 FAILURE_FILE = "failure.json"
 SERVER_FAILED_LOG = "server.failed.log"
 
@@ -263,6 +264,12 @@ def piece_tidy_files(results: Path, group: str) -> list[Path]:
 def step_file(results: Path, model: str, engine: str) -> Path:
     """The decode cycle per shape of one model's pieces on one engine (``wmtp step-table``)."""
     return results / STEPS_DIR / f"{model}~{engine}.csv"
+
+
+def lossless_file(results: Path) -> Path:
+    """A study's recorded answers, each judged against the same prompt's without a draft (``wmtp lossless``), where
+    its cells are pieces; a study of whole cells has the table among its derived ones."""
+    return results / LOSSLESS_FILE
 
 
 def trace_file(results: Path) -> Path:

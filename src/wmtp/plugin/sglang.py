@@ -14,6 +14,7 @@ waits for the device. The target verifies with full context, so the output is un
 
 SGLang only logs what a plugin raises, and a server whose plugin failed serves plain MTP: what the window did is
 counted (``wmtp.plugin.stats``) so that a cell can tell. The names relied on are in ``wmtp.plugin.sglang_hookpoints``.
+The proofs' instrument (``wmtp.plugin.sglang_testing``) is inert unless ``WMTP_PLUGIN_TEST_DIR`` is set.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import os
 import time
 from typing import Any
 
-from wmtp.plugin import paged_window
+from wmtp.plugin import paged_window, sglang_testing, testing
 from wmtp.plugin import sglang_hookpoints as hp
 from wmtp.plugin import stats as wstats
 from wmtp.plugin import window as win
@@ -95,6 +96,7 @@ def register() -> None:
             raise _refuse(f"has {hp.MULTI_STEP_CLASS}.{name}{have}, expected {params} first")
         setattr(cls, name, _wrap(method, config))
         wrapped += 1
+    sglang_testing.install()
     if wrapped:
         log.info(
             "wmtp: the draft's FlashAttention decode steps will be windowed: sink S=%d, window W=%d",
@@ -114,9 +116,11 @@ def _wrap(original, config: win.WindowConfig):
     @functools.wraps(original)
     def wrapper(self, forward_batch, *args, **kwargs):
         out = original(self, forward_batch, *args, **kwargs)
+        if testing.skip_window():
+            return out
         # A CUDA graph's capture builds metadata of no request: windowed like any other, counted as none.
         in_capture = bool(kwargs.get("in_capture", args[0] if args else False))
-        window_steps(self, config, count=not in_capture)
+        window_steps(self, testing.config(config), count=not in_capture)
         return out
 
     setattr(wrapper, _ORIGINAL, original)

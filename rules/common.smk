@@ -285,8 +285,20 @@ def all_targets():
     measured in pieces makes its step files and each group's tables instead: its cells are never whole, so it has
     no tables of whole cells for a report."""
     traces = [layout.trace_file(RESULTS)] if PROFILED else []
+    scheduler = [layout.scheduler_steps_file(RESULTS)] if SGLANG_CELLS else []
     if PIECES:
         groups = [file for group in piece_groups() for file in layout.piece_tidy_files(RESULTS, group)]
         lossless = [layout.lossless_file(RESULTS)] if STUDY.protocol.record_tokens else []
-        return [RESOLVED_CONFIG, *step_files(), *groups, *traces, *lossless]
-    return [layout.report_file(RESULTS), RESOLVED_CONFIG, *tidy_tables(), *derived_tables(), *traces]
+        return [RESOLVED_CONFIG, *step_files(), *groups, *traces, *lossless, *scheduler]
+    return [layout.report_file(RESULTS), RESOLVED_CONFIG, *tidy_tables(), *derived_tables(), *traces, *scheduler]
+
+
+# Whether any cell runs on SGLang, whose scheduler logs its decode steps (rule scheduler_steps reads them).
+SGLANG_CELLS = any(STUDY.engine(cell.engine).kind == "sglang" for cell in CELLS.values())
+
+
+def measured_manifests():
+    """Every manifest the study's measurements end in: its listed pieces', else its cells'."""
+    if PIECES:
+        return [layout.piece_dir(RESULTS, group, cell_id) / layout.MANIFEST_FILE for group, cell_id in PIECES]
+    return cell_manifests()

@@ -118,3 +118,51 @@ def test_a_log_splits_into_one_decode_a_request_and_the_command_prints_each(tmp_
     assert [p["lines"] for p in printed] == [3, 3]  # two ramp lines dropped from each
     # vLLM: an interval with prompt throughput starts the next request's run.
     assert [len(run) for run in segments(VLLM_LOG.splitlines(), "vllm")] == [5]
+
+
+def _request(rung: int, ms: float, lines: int = 6, accept: float = 1.0) -> list[str]:
+    """One request's log: its prefill, a ramp line reaching back over it, then decode lines at ``ms`` a cycle."""
+    ramp = [_decode(accept, 1.0, full=rung + 5)]
+    return [PREFILL, *ramp, *(_decode(accept, 1000 * accept / ms, full=rung + 10 + 4 * i) for i in range(lines))]
+
+
+def test_each_rungs_requests_pool_their_decode_lines_and_warm_ups_are_left_out():
+    from wmtp.analyze.scheduler_log import rung_iterations, rung_of
+
+    assert rung_of(4096 + 40, [4096, 16384], 600) == 4096 and rung_of(4000, [4096, 16384], 600) is None
+    log = [*_request(64, 3.0, lines=3), *_request(4096, 10.0), *_request(4096, 12.0), *_request(16384, 20.0)]
+    found = rung_iterations(log, [4096, 16384], slack=600, ramp=1)
+    assert sorted(found) == [4096, 16384]
+    # The two 4K requests' lines pooled (6 each once the ramp line is dropped): the median of 10 and 12 ms lines.
+    assert found[4096].lines == 12 and found[4096].iteration_ms == pytest.approx(11.0, rel=1e-3)
+    assert found[16384].iteration_ms == pytest.approx(20.0) and found[16384].mean_accept_length == pytest.approx(1.0)
+
+
+def test_the_command_reads_each_sglang_cells_log_beside_its_manifest(tmp_path):
+    import pandas as pd
+
+    cells = []
+    for engine, arm, ms in (("sglang", "mtp", 10.0), ("sglang", "none", 5.0), ("vllm", "mtp", 9.0)):
+        cell_dir = tmp_path / engine / arm
+        cell_dir.mkdir(parents=True)
+        cell = {"model": "m", "engine": engine, "arm": arm, "k": 3, "concurrency": 1, "server": 1}
+        manifest = {
+            "cell_id": f"{engine}/{arm}",
+            "cell": cell,
+            "engine": {"kind": engine},
+            "identity": {"protocol": {"rungs": [4096, 16384], "output_tokens": 64}},
+        }
+        (cell_dir / "manifest.json").write_text(json.dumps(manifest))
+        (cell_dir / "server.log").write_text("\n".join([*_request(4096, ms), *_request(16384, 2 * ms)]) + "\n")
+        cells.append(str(cell_dir / "manifest.json"))
+    out = tmp_path / "scheduler_steps.csv"
+    assert main(["scheduler-steps", "--out", str(out), *cells]) == 0
+    table = pd.read_csv(out)
+    # The vLLM cell gives none: its stats lines count no tokens.
+    assert table[["cell_id", "rung"]].values.tolist() == [
+        ["sglang/mtp", 4096],
+        ["sglang/mtp", 16384],
+        ["sglang/none", 4096],
+        ["sglang/none", 16384],
+    ]
+    assert table["iteration_ms"].tolist() == pytest.approx([10.0, 20.0, 5.0, 10.0], rel=1e-3)

@@ -51,6 +51,7 @@ RAW_SUCCESS_FILES = (REQUESTS_FILE, COUNTERS_FILE, ENERGY_FILE, POWER_FILE, SERV
 PROFILE_DIR = "profile"
 TRACES_FILE = "traces.csv"
 LOSSLESS_FILE = "lossless.csv"
+SCHEDULER_STEPS_FILE = "scheduler_steps.csv"
 FAILURE_FILE = "failure.json"
 SERVER_FAILED_LOG = "server.failed.log"
 
@@ -270,6 +271,11 @@ def lossless_file(results: Path) -> Path:
     """A study's recorded answers, each judged against the same prompt's without a draft (``wmtp lossless``), where
     its cells are pieces; a study of whole cells has the table among its derived ones."""
     return results / LOSSLESS_FILE
+
+
+def scheduler_steps_file(results: Path) -> Path:
+    """A study's SGLang cells' iteration per rung from their servers' decode logs (``wmtp scheduler-steps``)."""
+    return results / SCHEDULER_STEPS_FILE
 
 
 def trace_file(results: Path) -> Path:

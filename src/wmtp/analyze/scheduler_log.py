@@ -39,7 +39,8 @@ _SGLANG_FIELD = {
     "accept": re.compile(r"accept len: (?P<v>[\d.]+)"),
     "gen": re.compile(r"gen throughput \(token/s\): (?P<v>[\d.]+)"),
     "waiting": re.compile(r"#queue-req: (?P<v>\d+)"),
-    "full": re.compile(r"#full token: (?P<v>\d+)"),
+    # Tokens in the pool: the full-attention pool's on a hybrid model, the only pool's otherwise.
+    "full": re.compile(r"#(?:full )?token: (?P<v>\d+)"),
 }
 #: Steady lines dropped at the start of a decode: SGLang's first line covers the prefill before it (the paper's
 #: artifact drops two); vLLM's lines that held a prefill are not steady in the first place.
@@ -57,7 +58,7 @@ class DecodeLine:
     accept_length: float
     gen_tokens_per_s: float
     prompt_tokens_per_s: float = 0.0
-    # Full-attention tokens in the pool, where the engine logs them (SGLang's hybrid models).
+    # Tokens in the pool (the full-attention pool's on SGLang's hybrid models), where the engine logs them (SGLang).
     full_tokens: int | None = None
 
 
@@ -169,3 +170,30 @@ def iteration_statistic(lines: Iterable[DecodeLine], batch: int, ramp: int = 0) 
         mean_accept_length=mean_accept,
         lines=len(kept),
     )
+
+
+def rung_of(tokens: int, rungs: Iterable[int], slack: int) -> int | None:
+    """The rung whose request holds ``tokens`` in the pool while it decodes: at least the rung, at most ``slack``
+    more (its output and the draft's reserved slots); None where no rung does."""
+    fits = [rung for rung in rungs if rung <= tokens <= rung + slack]
+    return max(fits) if fits else None
+
+
+def rung_iterations(
+    log: Iterable[str], rungs: Iterable[int], slack: int, ramp: int = RAMP_LINES["sglang"]
+) -> dict[int, IterationStatistic]:
+    """The paper's figures per rung from an SGLang server log of requests sent one at a time: each request's decode
+    lines (a run between two prefills) go to the rung whose tokens their pool holds (:func:`rung_of`), less the first
+    ``ramp`` steady ones of each request, and a rung's statistic is taken over all of them together. Warm-ups and
+    requests of no listed rung are left out."""
+    rungs = list(rungs)
+    pooled: dict[int, list[DecodeLine]] = {}
+    for run in segments(log, "sglang"):
+        tokens = [line.full_tokens for line in run if line.full_tokens]
+        rung = rung_of(max(tokens), rungs, slack) if tokens else None
+        if rung is None:
+            continue
+        steady = steady_lines(run, 1)
+        pooled.setdefault(rung, []).extend(steady[ramp:] if len(steady) > ramp + 1 else steady)
+    found = {rung: iteration_statistic(lines, 1) for rung, lines in sorted(pooled.items())}
+    return {rung: statistic for rung, statistic in found.items() if statistic is not None}

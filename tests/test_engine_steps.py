@@ -147,3 +147,38 @@ def test_the_windows_saving_splits_into_bytes_and_what_a_tuned_engine_takes_away
     assert spread["split"] == "not resolved: the default engine's servers range more"
     # Without a tuned engine beside the default one there is nothing to split.
     assert not window_gain_split(steps[steps["attention_config"] == ""]).available
+
+
+def test_the_same_shape_in_two_engines_side_by_side(tmp_path):
+    from wmtp.report.engine_steps import cross_engine_section
+
+    vllm = [
+        _step("none", 0, 131072, 5.0),
+        _step("mtp", 3, 131072, 10.0),
+        _step("wmtp", 3, 131072, 8.0, window_anchor="forward"),
+        _step("wmtp", 3, 131072, 9.0, window_anchor="cycle"),  # the plugin's window set once a cycle: this one
+        {**_step("wmtp", 3, 131072, 9.9), "W": 1049600},  # the window-off control is not the windowed arm
+        _step("mtp", 3, 1048576, 16.0),
+        _step("wmtp", 3, 1048576, 14.0),
+    ]
+    sglang = [
+        {**_step("none", 0, 131072, 6.0), "engine_version": "0.5.17"},
+        {**_step("mtp", 3, 131072, 12.0), "engine_version": "0.5.17"},
+        {**_step("wmtp", 3, 131072, 10.0, window_anchor="forward"), "engine_version": "0.5.17"},
+    ]
+    first = _write(tmp_path, vllm)
+    second = tmp_path / "sglang_qwen3.6-35b-a3b.csv"
+    pd.DataFrame(sglang).to_csv(second, index=False)
+    steps = load_engine_steps([first, second])
+    assert set(steps["engine"]) == {"vLLM", "SGLang"}
+    section = cross_engine_section(steps)
+    # 1M was measured in one engine only: no row.
+    assert section.frame["context"].tolist() == ["131K"]
+    row = section.frame.iloc[0]
+    assert (row["vLLM 0.24.0: none (ms)"], row["vLLM 0.24.0: mtp (ms)"], row["vLLM 0.24.0: wmtp (ms)"]) == (5, 10, 9)
+    assert row["vLLM 0.24.0: mtp / wmtp"] == pytest.approx(10 / 9, abs=1e-3)
+    assert row["SGLang 0.5.17: mtp / wmtp"] == pytest.approx(1.2)
+    assert set(engine_step_section(steps, None).frame["engine"]) == {"SGLang 0.5.17", "vLLM 0.24.0"}
+    assert not cross_engine_section(load_engine_steps([first])).available
+    with pytest.raises(ValueError, match=r"named <engine>_<model>\.csv"):
+        load_engine_steps([first.rename(tmp_path / "qwen.csv")])

@@ -23,17 +23,29 @@ from wmtp.report.compare import canonical_model, model_file
 from wmtp.report.labels import arm_order, context_label, fmt_interval, series_label
 from wmtp.report.load import Section
 
-STEP_FILE_PREFIX = "vllm_"
+# A step file's name says its engine and its model: ``<engine>_<model>.csv``.
+STEP_FILE_ENGINES = {"vllm_": "vLLM", "sglang_": "SGLang"}
+
+
+def step_file_engine(path: Path) -> tuple[str, str]:
+    """The engine and the model a step file is of, from its name; refused where the name names no engine."""
+    for prefix, engine in STEP_FILE_ENGINES.items():
+        if path.stem.startswith(prefix):
+            return engine, path.stem.removeprefix(prefix)
+    raise ValueError(
+        f"{path}: a step file is named <engine>_<model>.csv, the engine one of {sorted(STEP_FILE_ENGINES)}"
+    )
 
 
 def load_engine_steps(paths: Iterable[Path | str]) -> pd.DataFrame | None:
-    """The step files, one frame with the model of each (from its name, ``vllm_<model>.csv``), or None."""
+    """The step files, one frame with the engine and the model of each (from its name), or None."""
     frames = []
     for path in sorted(Path(p) for p in paths):
         frame = pd.read_csv(path)
         if frame.empty:
             continue
-        frames.append(frame.assign(model=path.stem.removeprefix(STEP_FILE_PREFIX), engine="vLLM"))
+        engine, model = step_file_engine(path)
+        frames.append(frame.assign(model=model, engine=engine))
     return pd.concat(frames, ignore_index=True) if frames else None
 
 
@@ -76,15 +88,22 @@ def _with_attention(steps: pd.DataFrame) -> pd.DataFrame:
     return steps.assign(attention_config=[v if isinstance(v, str) else "" for v in steps["attention_config"]])
 
 
+def _engine_names(steps: pd.DataFrame) -> pd.Series:
+    return steps["engine"] if "engine" in steps.columns else pd.Series("vLLM", index=steps.index)
+
+
 def _engine_labels(steps: pd.DataFrame) -> list[str]:
     steps = _with_attention(steps)
-    return [engine_label(v, a) for v, a in zip(steps["engine_version"], steps["attention_config"], strict=True)]
+    return [
+        engine_label(v, a, name)
+        for v, a, name in zip(steps["engine_version"], steps["attention_config"], _engine_names(steps), strict=True)
+    ]
 
 
-def engine_label(version: str, attention_config: str = "") -> str:
+def engine_label(version: str, attention_config: str = "", engine: str = "vLLM") -> str:
     """'vLLM 0.24.0', or 'vLLM 0.24.0, attention flash_attn_max_num_splits_for_cuda_graph=128' where the servers
     ran with attention options of their own: the same release set otherwise is another engine."""
-    return f"vLLM {version}" + (f", attention {attention_config}" if attention_config else "")
+    return f"{engine} {version}" + (f", attention {attention_config}" if attention_config else "")
 
 
 def ceiling_ratio(model: str, k: int) -> float:
@@ -175,10 +194,10 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
         return Section()
     from wmtp.analyze.steps import server_ratio
 
-    steps = _with_attention(steps)
-    keys = ["model", "engine_version", "attention_config", "context", "batch"]
+    steps = _with_attention(steps).assign(engine=_engine_names(steps))
+    keys = ["model", "engine", "engine_version", "attention_config", "context", "batch"]
     rows = []
-    for (model, version, attention, context, batch), group in steps.groupby(keys, sort=True):
+    for (model, name, version, attention, context, batch), group in steps.groupby(keys, sort=True):
         none = group[group["arm"] == "none"]
         none_row = none.iloc[0] if len(none) else None
         none_ms = cell_number(none_row, "step_ms")
@@ -197,7 +216,7 @@ def engine_step_section(steps: pd.DataFrame | None, replica: pd.DataFrame | None
             rows.append(
                 {
                     "model": model,
-                    "engine": engine_label(version, attention),
+                    "engine": engine_label(version, attention, name),
                     "context": context_label(context),
                     "tokens": int(context),
                     "k": int(k),
@@ -589,3 +608,43 @@ def _server_range(row: pd.Series) -> float:
 
     medians = server_steps(row)
     return max(medians) - min(medians)
+
+
+CROSS_ENGINE_ARMS = ("none", "mtp", "wmtp")
+
+
+def cross_engine_section(steps: pd.DataFrame | None) -> Section:
+    """The same shape in each engine: per (model, context, k), at one request, each engine's none, mtp and wmtp
+    cycle (the median over its servers, its engine's default attention, the plugin's last window anchor where it ran
+    two) and its mtp / wmtp; only where at least two engines measured mtp and wmtp there."""
+    need = {"arm", "k", "context", "batch", "step_ms", "engine_version", "model"}
+    if steps is None or steps.empty or not need <= set(steps.columns):
+        return Section()
+    steps = _with_attention(steps).assign(engine=_engine_names(steps))
+    steps = steps[(steps["attention_config"] == "") & (steps["batch"] == 1) & steps["arm"].isin(CROSS_ENGINE_ARMS)]
+    if "W" in steps.columns:  # a window-off control is not the windowed arm
+        steps = steps[(steps["arm"] != "wmtp") | (_numeric(steps, "W") < steps["context"])]
+    rows = []
+    for (model, context), group in steps.groupby(["model", "context"], sort=True):
+        ks = sorted({int(k) for k in group.loc[group["arm"] == "mtp", "k"]})
+        for k in ks:
+            row: dict[str, object] = {"model": model, "context": context_label(context), "tokens": int(context), "k": k}
+            engines = 0
+            for (name, version), at in group.groupby(["engine", "engine_version"], sort=True):
+                cycle = {}
+                for arm in CROSS_ENGINE_ARMS:
+                    chosen = at[(at["arm"] == arm) & ((at["k"] == k) | (arm == "none"))]
+                    if "window_anchor" in chosen.columns:  # the plugin's window set once a cycle, where it was
+                        chosen = chosen.sort_values("window_anchor", key=lambda a: a.eq("cycle"), kind="stable")
+                    cycle[arm] = float(chosen["step_ms"].iloc[-1]) if len(chosen) else math.nan
+                if math.isnan(cycle["mtp"]) or math.isnan(cycle["wmtp"]):
+                    continue
+                engines += 1
+                label = f"{name} {version}"
+                row.update({f"{label}: {arm} (ms)": round(cycle[arm], 2) for arm in CROSS_ENGINE_ARMS})
+                row[f"{label}: mtp / wmtp"] = round(cycle["mtp"] / cycle["wmtp"], 3)
+            if engines >= 2:
+                rows.append(row)
+    if not rows:
+        return Section(notes=("one engine only: no shape was measured in two engines",))
+    return Section(pd.DataFrame(rows))

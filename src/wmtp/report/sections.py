@@ -33,6 +33,7 @@ from wmtp.report.compare import (
 from wmtp.report.cycle_profile import cycle_profile_section, load_traces
 from wmtp.report.engine_steps import (
     clock_check_section,
+    cross_engine_section,
     engine_cycles,
     engine_step_section,
     growth_check_section,
@@ -611,6 +612,8 @@ class ReportData:
     cycle_profile: Section
     #: The window's saving in the engine as it ships and tuned, beside what its bytes allow.
     engine_gain_split: Section
+    #: The same shape in each engine that measured it: none, mtp, wmtp and mtp / wmtp side by side.
+    cross_engine: Section
 
 
 def load_report_data(
@@ -681,4 +684,5 @@ def load_report_data(
         paper_steps=paper_steps_section(published, steps),
         cycle_profile=cycle_profile_section(load_traces(trace_paths)),
         engine_gain_split=window_gain_split(steps),
+        cross_engine=cross_engine_section(steps),
     )

@@ -59,11 +59,31 @@ def test_each_drafting_answer_is_judged_against_the_no_draft_answer_to_its_promp
     sure = table.loc["wmtp-w64"]
     assert not sure["equal"] and sure["first_divergence"] == 2 and "confident" in sure["reason"]
 
+    # Against native MTP's answer at the same k: what the window alone changed.
+    assert table.loc["wmtp-w256", "equal_to_mtp"] and not table.loc["wmtp-w64", "equal_to_mtp"]
+    assert table.loc["mtp", "equal_to_mtp"] is None
+
     summary = lossless_summary(lossless_table(requests)).set_index("arm")
     assert summary.loc["mtp", ["requests", "identical", "equal", "diverged"]].tolist() == [1, 1, 1, 0]
     windowed = summary.loc["wmtp"].set_index("window")
     assert windowed.loc[256, ["identical", "equal", "diverged"]].tolist() == [0, 1, 0]
     assert windowed.loc[64, ["identical", "equal", "diverged"]].tolist() == [0, 0, 1]
+    assert windowed.loc[256, "equal_to_mtp"] == "1 of 1" and summary.loc["mtp", "equal_to_mtp"] == ""
+
+
+def test_a_divergence_native_mtp_shares_is_not_the_windows():
+    # Both drafting arms leave the no-draft answer at the same confident token, and agree with each other.
+    drafted = [5, 6, 1, 8]
+    requests = pd.DataFrame(
+        [
+            _row("none", "none", REFERENCE, GAPS),
+            _row("mtp", "mtp", drafted, GAPS, k=3),
+            _row("wmtp", "wmtp", drafted, GAPS, k=3, sink=16, window=256),
+        ]
+    )
+    table = lossless_table(requests).set_index("cell_id")
+    assert not table["equal"].any()
+    assert table.loc["wmtp", "equal_to_mtp"]
 
 
 def test_without_a_no_draft_arm_native_mtp_at_the_same_k_is_the_reference():

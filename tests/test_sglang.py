@@ -272,6 +272,7 @@ def test_probe_finds_the_window_flags_and_backends():
     info = _probe(FAKE_SITE, Path(sglang.__file__).parents[2])
     assert info["sglang"] == "0.5.21"
     assert info["draft_window_flags"] is True and info["draft_window_flags_cli"] is True
+    assert info["prometheus_client"] is True and info["server_metrics"]["ok"]
     assert info["window_backends"] == ["flashinfer", "triton"]
     # The stand-in's attention backends are not SGLang's: the plugin's hook check runs and names what it misses.
     assert info["wmtp_hooks"]["ok"] is False and info["wmtp_hooks"]["missing"]
@@ -320,6 +321,8 @@ def test_check_cell_refuses_an_sglang_that_does_not_export_the_request_clock():
     with pytest.raises(sglang.SGLangError, match=r"does not export .*spec_verify_calls_total"):
         sglang.check_cell(spec, {"versions": lacking}, none)
     sglang.check_cell(spec, {"versions": {"server_metrics": {"ok": True}}}, none)
+    with pytest.raises(sglang.SGLangError, match="prometheus_client is not installed"):
+        sglang.check_cell(spec, {"versions": {"server_metrics": {"ok": True}, "prometheus_client": False}}, none)
 
 
 # --- response parsing -------------------------------------------------------------------------------

@@ -15,8 +15,11 @@ FlashAttention (fa3) for the target and the draft: first native MTP (NEXTN, k = 
 - the hook is on the path that runs: the installed SGLang has every hook point (``check_hook_points``) and the
   plugin counted windowed draft forwards (> 0) that dropped pages (> 0);
 - lossless: the windowed draft's greedy tokens are native MTP's on code and copy-task prompts of 4,096 and 12,288
-  tokens, up to near ties (the first difference where MTP's top-2 log-probability gap is below 0.25), with no
-  penalty and with the Windowed-MTP artifact's repetition penalty of 1.15;
+  tokens, up to near ties (the first difference where MTP's top-2 log-probability gap is below 0.25). With the
+  Windowed-MTP artifact's repetition penalty of 1.15 the same comparison is recorded, not proven: SGLang's
+  speculative path applies a "relaxed" penalty (each verify cycle's positions all get the penalty as it stood when
+  the cycle began, ``speculative/eagle_utils.py``), so a penalised answer depends on where the cycles fall, which a
+  window moves by changing what is accepted;
 - the read set, both ways, with the draft layer's KV overwritten for one cycle at a time and restored after it:
   poisoned outside sink ∪ window (with two seeds), the windowed steps draft exactly what they draft clean, while a
   draft that reads everything (a window wider than the context) does not; poisoned inside the sink or inside the
@@ -161,12 +164,14 @@ def run(prompts_file: Path, out_dir: Path) -> int:
     proofs = found["proofs"]
     proofs["hook points"] = bool(found["hook_points"].get("ok"))
     counted = wstats.summarize(wstats.read(stats_dir))
-    found["plugin_counters"] = counted
+    # The scheduler writes its counters as it goes; the engine's shutdown ends it before a last write.
+    found["plugin_counters"] = {**counted, "complete": False}
     proofs["windowed"] = counted["windowed_forwards"] > 0 and counted["blocks_skipped"] > 0
     for name in [*prompts, *(f"{name}, penalty {PENALTY}" for name in prompts)]:
         mtp, wmtp = outputs[f"mtp {name}"], outputs[f"wmtp {name}"]
         verdict = equal_up_to_numerics(mtp["ids"], mtp["gaps"], wmtp["ids"], NEAR_TIE)
-        proofs[f"lossless {name}"] = verdict.equal
+        if "penalty" not in name:  # under a penalty SGLang's own drafting is not lossless (the docstring says why)
+            proofs[f"lossless {name}"] = verdict.equal
         found.setdefault("lossless", {})[name] = {
             "reason": verdict.reason,
             "tokens_per_verify_mtp": mtp["tokens_per_verify"],

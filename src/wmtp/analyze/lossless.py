@@ -6,7 +6,9 @@ tokens (``protocol.record_tokens``: token ids and the top-2 log-probabilities of
 from its own cells: a cell's prompts depend only on the workload, the rung, the repeat and the slot, so every arm of
 one model, engine and concurrency answers the same prompts. The reference for a prompt is the ``none`` arm's answer
 (the first server's, where several served it); without a ``none`` arm, native MTP's at the same k. Every other
-answer to that prompt, other servers of the reference's arm included, is judged against it.
+answer to that prompt, other servers of the reference's arm included, is judged against it, and a windowed draft's
+answer also against native MTP's at its k (``equal_to_mtp``): a difference native MTP shares comes from drafting and
+verifying, not from the window.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ COLUMNS = [
     "first_divergence",
     "reference_gap",
     "reason",
+    "equal_to_mtp",
 ]
 SUMMARY_COLUMNS = [
     "model",
@@ -48,6 +51,7 @@ SUMMARY_COLUMNS = [
     "identical",
     "equal",
     "diverged",
+    "equal_to_mtp",
     "tokens",
 ]
 
@@ -103,6 +107,13 @@ def lossless_table(requests: pd.DataFrame, eps: float = NEAR_TIE) -> pd.DataFram
             continue
         want, have = _ids(reference["token_ids"]), _ids(row["token_ids"])
         verdict = equal_up_to_numerics(want, _gaps(reference["top2_gap"], len(want)), have, eps)
+        # A windowed draft's answer against native MTP's at its k: what the window alone could have changed.
+        native = by_prompt_k.get((*(row[c] for c in PROMPT_KEYS), row["k"])) if row["arm"] != "mtp" else None
+        if native is not None and native["cell_id"] != row["cell_id"]:
+            native_ids = _ids(native["token_ids"])
+            to_mtp = equal_up_to_numerics(native_ids, _gaps(native["top2_gap"], len(native_ids)), have, eps).equal
+        else:
+            to_mtp = None
         rows.append(
             {
                 **{c: row[c] for c in (*PROMPT_KEYS, "cell_id", *SERIES_KEYS)},
@@ -115,21 +126,31 @@ def lossless_table(requests: pd.DataFrame, eps: float = NEAR_TIE) -> pd.DataFram
                 "first_divergence": verdict.first_divergence,
                 "reference_gap": verdict.reference_gap,
                 "reason": verdict.reason,
+                "equal_to_mtp": to_mtp,
             }
         )
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
 def lossless_summary(table: pd.DataFrame, keys: Sequence[str] = ("model", "engine", *SERIES_KEYS)) -> pd.DataFrame:
-    """Per series: requests judged, token-identical, equal up to near ties, diverged, and tokens compared."""
+    """Per series: requests judged, token-identical, equal up to near ties, diverged, equal to native MTP's answer at
+    the same k (a windowed draft's), and tokens compared."""
     if table.empty:
         return pd.DataFrame(columns=SUMMARY_COLUMNS)
-    grouped = table.groupby([*keys, "reference_arm"], dropna=False, sort=True)
+    judged_to_mtp = table.assign(_to_mtp=table["equal_to_mtp"].map(lambda v: v is True or v == 1.0))
+    grouped = judged_to_mtp.groupby([*keys, "reference_arm"], dropna=False, sort=True)
     summary = grouped.agg(
         requests=("cell_id", "size"),
         identical=("identical", "sum"),
         equal=("equal", "sum"),
+        equal_to_mtp=("_to_mtp", "sum"),
+        judged_to_mtp=("equal_to_mtp", "count"),
         tokens=("tokens", "sum"),
     ).reset_index()
+    # "equal to mtp" counts where there was a native answer to judge against; blank for mtp itself.
+    summary["equal_to_mtp"] = [
+        f"{int(equal)} of {int(judged)}" if judged else ""
+        for equal, judged in zip(summary["equal_to_mtp"], summary["judged_to_mtp"], strict=True)
+    ]
     summary["diverged"] = summary["requests"] - summary["equal"]
     return summary[[c for c in SUMMARY_COLUMNS if c in summary.columns]]

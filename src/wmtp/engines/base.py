@@ -102,9 +102,11 @@ class EngineAdapter(ABC):
     def sampling_fields(self, protocol: Any) -> dict[str, Any]:
         """Request-body fields for the protocol's sampling settings beyond the OpenAI schema's: the repetition
         penalty, where the protocol sets one (vLLM's and SGLang's OpenAI servers both take ``repetition_penalty``
-        beside the OpenAI fields; vLLM's rejection sampler applies it when it verifies drafts, so draft and target
-        are penalised alike). Nothing at the defaults, so a protocol without them sends the requests it always
-        sent."""
+        beside the OpenAI fields). vLLM's rejection sampler applies it at each verified position, so a penalised
+        answer is the same with a draft as without; SGLang 0.5.17's speculative path applies it "relaxed" (every
+        position of a verify cycle gets the penalty as it stood when the cycle began), so there a penalised answer
+        depends on where the cycles fall. Nothing at the defaults, so a protocol without them sends the requests it
+        always sent."""
         penalty = getattr(protocol, "repetition_penalty", None)
         return {} if penalty is None else {"repetition_penalty": penalty}
 

@@ -327,7 +327,13 @@ def check_cell(spec: Any, engine_manifest: Mapping[str, Any], cell: Any, extra_a
         )
     if cell.arm == "wmtp-ring":
         speculative_args(cell.arm, cell.k, cell.sink, cell.window)  # raises RingNotBuilt
-    metrics = (engine_manifest.get("versions") or {}).get("server_metrics") or {}
+    versions = engine_manifest.get("versions") or {}
+    if versions.get("prometheus_client") is False:
+        raise SGLangError(
+            f"engine {spec.name!r}: prometheus_client is not installed beside SGLang, and {METRICS_FLAG} (which the "
+            "cells time and count requests by) needs it; add it to the engine's packages"
+        )
+    metrics = versions.get("server_metrics") or {}
     if metrics and not metrics.get("ok"):
         why = "; ".join(metrics.get("missing") or []) or metrics.get("error") or "?"
         raise SGLangError(
@@ -482,6 +488,7 @@ VERSION_PROBE = (
     "    info['wmtp_hooks'] = check_hook_points(srt.parent)\n"
     "except Exception as err:\n"
     "    info['wmtp_hooks'] = {'ok': False, 'error': repr(err)[:300]}\n"
+    "info['prometheus_client'] = importlib.util.find_spec('prometheus_client') is not None\n"
     "try:\n"
     "    from wmtp.engines.sglang_hooks import check_metrics\n"
     "    info['server_metrics'] = check_metrics(srt.parent)\n"

@@ -23,6 +23,13 @@ then wmtp (S = 16, W = 256) with the plugin's test instrument (wmtp.plugin.testi
   cache writer (``do_kv_cache_update``): poisoned outside sink ∪ window, the windowed draft proposes exactly
   what it proposes clean, and a draft that reads everything (a window wider than the context) does not;
   poisoned inside the sink or inside the window, the windowed draft changes.
+
+With ``--ring`` it serves the ring (wmtp-ring, the draft's KV kept to sink + window, the rest given back to the
+pool) as a third engine and proves it too: lossless against MTP; on the read-set prompt it proposes exactly what
+wmtp proposes; poisoned where its freed blocks were (the draft's table points there at vLLM's null block, or at a
+block another request now holds, were a freed one still listed) it proposes what it proposes clean; and a draft
+told to read past what the ring keeps (a window wider than the context) proposes otherwise than wmtp's draft
+told the same, since what it would read is gone.
 """
 
 from __future__ import annotations
@@ -91,8 +98,8 @@ def _engine(arm: str):
     from vllm import LLM
 
     kwargs = {}
-    if arm == "wmtp":
-        kwargs["additional_config"] = {"wmtp": {"sink": SINK, "window": WINDOW}}
+    if arm in ("wmtp", "wmtp-ring"):
+        kwargs["additional_config"] = {"wmtp": {"sink": SINK, "window": WINDOW, "ring": arm == "wmtp-ring"}}
     return LLM(
         model=str(FIXTURE),
         dtype="bfloat16",
@@ -131,7 +138,40 @@ def _drafts(records: Path, tag: str) -> list:
     return [r["draft"] for r in lines if r.get("kind") == "propose" and r.get("tag") == tag]
 
 
-def run(prompts_file: Path, out_dir: Path) -> int:
+RING_TAGS = ("ring clean", "ring poison outside", "ring clean, read all")
+
+
+def _ring_read_set(llm, test_dir: Path, ids: list[int], outputs: dict) -> None:
+    for tag, window, poison in (
+        ("ring clean", (SINK, WINDOW), None),
+        ("ring poison outside", (SINK, WINDOW), "outside"),
+        ("ring clean, read all", WIDE_OPEN, None),
+    ):
+        _control(test_dir, tag, window, poison)
+        try:
+            outputs[f"read set {tag}"] = _generate(llm, ids)
+        except Exception as err:  # a ring that refuses to read past what it keeps fails its proof, not the run
+            outputs[f"read set {tag}"] = {"error": repr(err)[:500]}
+    _control(test_dir, "idle", (SINK, WINDOW))
+
+
+def _ring_proofs(prompts: dict, outputs: dict, records: Path, proofs: dict, found: dict) -> None:
+    from wmtp.analyze.equality import equal_up_to_numerics
+
+    for name in prompts:
+        mtp, ring = outputs[f"mtp {name}"], outputs[f"wmtp-ring {name}"]
+        proofs[f"ring lossless {name}"] = equal_up_to_numerics(mtp["ids"], mtp["gaps"], ring["ids"], NEAR_TIE).equal
+    drafts = {tag: _drafts(records, tag) for tag in (*RING_TAGS, "clean", "clean, read all")}
+    found["ring_read_set"] = {tag: len(d) for tag, d in drafts.items()}
+    every = all(drafts.values())
+    proofs["ring read set: drafts as wmtp's"] = every and drafts["ring clean"] == drafts["clean"]
+    proofs["ring read set: freed blocks unread"] = every and drafts["ring poison outside"] == drafts["ring clean"]
+    proofs["ring read set: what it gave back is gone"] = (
+        every and drafts["ring clean, read all"] != drafts["clean, read all"]
+    )
+
+
+def run(prompts_file: Path, out_dir: Path, ring: bool = False) -> int:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
     from vllm.plugins import load_general_plugins
 
@@ -146,8 +186,8 @@ def run(prompts_file: Path, out_dir: Path) -> int:
     stats_dir.mkdir(exist_ok=True)
     found: dict = {"hook_points": check_hook_points(deep=True), "arms": {}, "proofs": {}}
     outputs: dict[str, dict] = {}
-    for arm in ("mtp", "wmtp"):
-        if arm == "wmtp":
+    for arm in ("mtp", "wmtp", *(("wmtp-ring",) if ring else ())):
+        if arm != "mtp":
             os.environ["WMTP_PLUGIN_TEST_DIR"] = str(test_dir)  # read when the proposer starts
             os.environ["WMTP_PLUGIN_STATS_DIR"] = str(stats_dir)
             _control(test_dir, "lossless", (SINK, WINDOW))
@@ -157,8 +197,12 @@ def run(prompts_file: Path, out_dir: Path) -> int:
         started = time.monotonic()
         for name, ids in prompts.items():
             outputs[f"{arm} {name}"] = _generate(llm, ids)
+            if arm == "wmtp-ring":
+                continue
             # The Windowed-MTP artifact's protocol penalises repetition in the draft and the target alike.
             outputs[f"{arm} {name}, penalty {PENALTY}"] = _generate(llm, ids, PENALTY)
+        if arm == "wmtp-ring":
+            _ring_read_set(llm, test_dir, prompts[READ_SET_PROMPT], outputs)
         if arm == "wmtp":
             ids = prompts[READ_SET_PROMPT]
             for tag, window, poison in (
@@ -206,6 +250,8 @@ def run(prompts_file: Path, out_dir: Path) -> int:
     )
     proofs["read set: sink read"] = every and drafts["poison sink"] != drafts["clean"]
     proofs["read set: window read"] = every and drafts["poison window"] != drafts["clean"]
+    if ring:
+        _ring_proofs(prompts, outputs, records, proofs, found)
     import torch
     import vllm
 
@@ -237,13 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run")
     r.add_argument("--prompts", type=Path, required=True)
     r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--ring", action="store_true", help="also serve and prove the ring (wmtp-ring)")
     args = parser.parse_args(argv)
     if args.command == "prompts":
         make_prompts(args.out)
         return 0
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker here: the instrument's files
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    return run(args.prompts, args.out)
+    return run(args.prompts, args.out, args.ring)
 
 
 if __name__ == "__main__":

@@ -460,6 +460,7 @@ def test_server_counters_read_sglangs_metrics_summed_over_their_labels():
 @pytest.mark.parametrize("spec_details", ["1", "0"], ids=["sglang-0.5.21-responses", "sglang-0.5.17-responses"])
 def test_cells_against_a_stand_in_server(tmp_path, tiny_tokenizer, spec_details):
     from wmtp.analyze.lossless import lossless_table
+    from wmtp.analyze.steps import engine_release, step_table
     from wmtp.analyze.tidy import collect
     from wmtp.measure.cell import CellRun, run_cell
 
@@ -545,3 +546,9 @@ def test_cells_against_a_stand_in_server(tmp_path, tiny_tokenizer, spec_details)
     lossless = lossless_table(requests)
     assert len(lossless) == len(measured[measured["arm"] != "none"]) and lossless["identical"].all()
     assert set(lossless["reference_arm"]) == {"none"}
+    # The step file of the same cells: each arm's cycle on the server's clock, at the rung's tokens per verify.
+    steps = step_table(
+        requests, tables["rungs"], engine_release([json.loads((d / "manifest.json").read_text()) for d in dirs])
+    )
+    assert steps["engine_version"].unique().tolist() == ["0.5.21"] and (steps["clock"] == "engine").all()
+    assert sorted(set(steps["arm"])) == ["mtp", "none", "wmtp"] and (steps["step_ms"] > 0).all()

@@ -116,6 +116,7 @@ def run(prompts_file: Path, out_dir: Path) -> int:
     import torch
 
     from wmtp.analyze.equality import equal_up_to_numerics
+    from wmtp.analyze.proofs import finish
     from wmtp.engines.sglang_hooks import check_hook_points
     from wmtp.plugin import sglang_hookpoints as hp
     from wmtp.plugin import stats as wstats
@@ -204,18 +205,7 @@ def run(prompts_file: Path, out_dir: Path) -> int:
     proofs["read set: sink read"] = every and drafts["poison sink"] != clean
     proofs["read set: window read"] = every and drafts["poison window"] != clean
     found["engine"] = {"sglang": sglang.__version__, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
-    from wmtp.measure.cell import git_revision
-    from wmtp.plugin import source_sha256
-
-    found["wmtp_revision"] = git_revision()
-    found["wmtp_plugin_sha256"] = source_sha256()
-    found["passed"] = all(proofs.values())
-    found["outputs"] = outputs
-    (out_dir / "sglang_gpu_proofs.json").write_text(json.dumps(found, indent=1))
-    for name, ok in proofs.items():
-        print(f"{'PASS' if ok else 'FAIL'}  {name}")
-    print(json.dumps({k: found[k] for k in ("engine", "arms", "plugin_counters", "read_set", "poison_writes")}))
-    return 0 if found["passed"] else 1
+    return finish(found, outputs, out_dir / "sglang_gpu_proofs.json")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -176,6 +176,7 @@ def run(prompts_file: Path, out_dir: Path, ring: bool = False) -> int:
     from vllm.plugins import load_general_plugins
 
     from wmtp.analyze.equality import equal_up_to_numerics
+    from wmtp.analyze.proofs import finish
     from wmtp.engines.vllm_hooks import check_hook_points
     from wmtp.plugin import stats as wstats
 
@@ -260,19 +261,7 @@ def run(prompts_file: Path, out_dir: Path, ring: bool = False) -> int:
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0),
     }
-    from wmtp.measure.cell import git_revision
-    from wmtp.plugin import source_sha256
-
-    # Which code the proofs are of: the commit, and the plugin's source as this process imported it.
-    found["wmtp_revision"] = git_revision()
-    found["wmtp_plugin_sha256"] = source_sha256()
-    found["passed"] = all(proofs.values())
-    found["outputs"] = outputs
-    (out_dir / "gpu_proofs.json").write_text(json.dumps(found, indent=1))
-    for name, ok in proofs.items():
-        print(f"{'PASS' if ok else 'FAIL'}  {name}")
-    print(json.dumps({k: found[k] for k in ("engine", "arms", "plugin_counters", "read_set", "poison_writes")}))
-    return 0 if found["passed"] else 1
+    return finish(found, outputs, out_dir / "gpu_proofs.json")
 
 
 def main(argv: list[str] | None = None) -> int:

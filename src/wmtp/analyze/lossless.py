@@ -7,8 +7,8 @@ from its own cells: a cell's prompts depend only on the workload, the rung, the 
 one model, engine and concurrency answers the same prompts. The reference for a prompt is the ``none`` arm's answer
 (the first server's, where several served it); without a ``none`` arm, native MTP's at the same k. Every other
 answer to that prompt, other servers of the reference's arm included, is judged against it, and a windowed draft's
-answer also against native MTP's at its k (``equal_to_mtp``): a difference native MTP shares comes from drafting and
-verifying, not from the window.
+answer also against native MTP's at its k (``equal_to_mtp``): a difference native MTP shares comes from the engine
+configured for drafting (its rounding), not from the window (docs/design.md, "Lossless up to numerics").
 """
 
 from __future__ import annotations

@@ -116,8 +116,8 @@ def run(prompts_file: Path, out_dir: Path) -> int:
     import torch
 
     from wmtp.analyze.equality import equal_up_to_numerics
-    from wmtp.analyze.proofs import finish
     from wmtp.engines.sglang_hooks import check_hook_points
+    from wmtp.measure.proofs import finish
     from wmtp.plugin import sglang_hookpoints as hp
     from wmtp.plugin import stats as wstats
     from wmtp.plugin import testing

@@ -176,8 +176,8 @@ def run(prompts_file: Path, out_dir: Path, ring: bool = False) -> int:
     from vllm.plugins import load_general_plugins
 
     from wmtp.analyze.equality import equal_up_to_numerics
-    from wmtp.analyze.proofs import finish
     from wmtp.engines.vllm_hooks import check_hook_points
+    from wmtp.measure.proofs import finish
     from wmtp.plugin import stats as wstats
 
     load_general_plugins()  # through the wmtp entry point, as every vLLM process loads it

@@ -127,22 +127,3 @@ rule lossless_pieces:
     shell:
         "{params.py} -m wmtp --log {log:q} lossless --out {output:q} {input.requests:q}"
 
-
-# The paper's own statistic per rung of every SGLang cell, from its server's decode log: the scheduler's clock beside
-# the per-request one (wmtp.analyze.scheduler_log).
-rule scheduler_steps:
-    input:
-        manifests=measured_manifests(),
-        logs=[m.parent / layout.SERVER_LOG for m in measured_manifests()],
-        code=source_files("analyze"),
-    output:
-        layout.scheduler_steps_file(RESULTS),
-    log:
-        LOGS / "scheduler_steps.log",
-    params:
-        py=PY,
-    localrule: True
-    conda:
-        "../envs/pipeline.yaml"
-    shell:
-        "{params.py} -m wmtp --log {log:q} scheduler-steps --out {output:q} {input.manifests:q}"

@@ -138,11 +138,8 @@ def cmd_lossless(args: argparse.Namespace) -> int:
 
 
 def cmd_scheduler_steps(args: argparse.Namespace) -> int:
-    """SGLang cells (whole or pieces) → the paper's iteration per rung from each server's decode log, CSV: the
-    scheduler's own clock beside the per-request one. Cells of other engines, or of more than one request at a time,
-    give no row."""
-    import dataclasses
-
+    """SGLang cells (whole or pieces) → the paper's iteration per rung from each server's decode log, CSV
+    (``scheduler_log.cell_rows``)."""
     import pandas as pd
 
     from wmtp.analyze import scheduler_log
@@ -150,26 +147,12 @@ def cmd_scheduler_steps(args: argparse.Namespace) -> int:
     rows = []
     for manifest_path in args.manifests:
         manifest = json.loads(manifest_path.read_text())
-        identity, cell = manifest.get("identity") or {}, manifest.get("cell") or {}
-        protocol = identity.get("protocol") or {}
-        if (manifest.get("engine") or {}).get("kind") != "sglang" or cell.get("concurrency", 1) != 1:
-            continue
-        # A request's pool holds its prompt, its output and the draft's reserved slots.
-        slack = int(protocol.get("output_tokens", 0)) + SCHEDULER_SLACK_TOKENS
         with (manifest_path.parent / layout.SERVER_LOG).open(errors="replace") as log:
-            found = scheduler_log.rung_iterations(log, protocol.get("rungs") or [], slack)
-        for rung, statistic in found.items():
-            rows.append({"cell_id": manifest["cell_id"], **cell, "rung": rung, **dataclasses.asdict(statistic)})
-    columns = ["cell_id", *SCHEDULER_CELL_KEYS, "rung", "iteration_ms", "tpot_ms", "mean_accept_length", "lines"]
+            rows += scheduler_log.cell_rows(manifest, log)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(rows, columns=columns).to_csv(args.out, index=False)
+    pd.DataFrame(rows, columns=scheduler_log.CELL_COLUMNS).to_csv(args.out, index=False)
     logging.getLogger("wmtp.scheduler").info("wrote %s: %d rungs of %d cells", args.out, len(rows), len(args.manifests))
     return 0
-
-
-# The cell's settings as its manifest names them, and the room a decoding request's pool has beyond prompt and output.
-SCHEDULER_CELL_KEYS = ["model", "engine", "arm", "k", "sink", "window", "concurrency", "server"]
-SCHEDULER_SLACK_TOKENS = 256
 
 
 def cmd_trace_table(args: argparse.Namespace) -> int:

@@ -25,8 +25,9 @@ from __future__ import annotations
 import dataclasses
 import re
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 _VLLM_STATS = re.compile(
     r"Avg prompt throughput: (?P<prompt>[\d.]+) tokens/s, Avg generation throughput: (?P<gen>[\d.]+) tokens/s, "
@@ -197,3 +198,26 @@ def rung_iterations(
         pooled.setdefault(rung, []).extend(steady[ramp:] if len(steady) > ramp + 1 else steady)
     found = {rung: iteration_statistic(lines, 1) for rung, lines in sorted(pooled.items())}
     return {rung: statistic for rung, statistic in found.items() if statistic is not None}
+
+
+#: The room a decoding request's pool has beyond its prompt and output: the draft's reserved slots.
+SLACK_TOKENS = 256
+#: The cell's settings as its manifest names them.
+CELL_KEYS = ["model", "engine", "arm", "k", "sink", "window", "concurrency", "server"]
+CELL_COLUMNS = ["cell_id", *CELL_KEYS, "rung", "iteration_ms", "tpot_ms", "mean_accept_length", "lines"]
+
+
+def cell_rows(manifest: Mapping[str, Any], log: Iterable[str]) -> list[dict[str, Any]]:
+    """One row per rung (:data:`CELL_COLUMNS`) of an SGLang cell, from its manifest and its server's log; none for
+    a cell of another engine or of more than one request at a time, whose lines no rung can be told from."""
+    cell = manifest.get("cell") or {}
+    protocol = (manifest.get("identity") or {}).get("protocol") or {}
+    if (manifest.get("engine") or {}).get("kind") != "sglang" or cell.get("concurrency", 1) != 1:
+        return []
+    slack = int(protocol.get("output_tokens", 0)) + SLACK_TOKENS
+    found = rung_iterations(log, protocol.get("rungs") or [], slack)
+    return [
+        {"cell_id": manifest["cell_id"], **{key: cell.get(key) for key in CELL_KEYS}, "rung": rung,
+         **dataclasses.asdict(statistic)}
+        for rung, statistic in found.items()
+    ]  # fmt: skip

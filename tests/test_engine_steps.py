@@ -178,6 +178,8 @@ def test_the_same_shape_in_two_engines_side_by_side(tmp_path):
     assert (row["vLLM 0.24.0: none (ms)"], row["vLLM 0.24.0: mtp (ms)"], row["vLLM 0.24.0: wmtp (ms)"]) == (5, 10, 9)
     assert row["vLLM 0.24.0: mtp / wmtp"] == pytest.approx(10 / 9, abs=1e-3)
     assert row["SGLang 0.5.17: mtp / wmtp"] == pytest.approx(1.2)
+    # Each engine says how many servers its cycles came from and how far the ratio ranges between them.
+    assert row["vLLM 0.24.0: servers none/mtp/wmtp"] == "1/1/1" and row["SGLang 0.5.17: range over servers"]
     assert set(engine_step_section(steps, None).frame["engine"]) == {"SGLang 0.5.17", "vLLM 0.24.0"}
     assert not cross_engine_section(load_engine_steps([first])).available
     with pytest.raises(ValueError, match=r"named <engine>_<model>\.csv"):

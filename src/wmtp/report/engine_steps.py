@@ -615,11 +615,14 @@ CROSS_ENGINE_ARMS = ("none", "mtp", "wmtp")
 
 def cross_engine_section(steps: pd.DataFrame | None) -> Section:
     """The same shape in each engine: per (model, context, k), at one request, each engine's none, mtp and wmtp
-    cycle (the median over its servers, its engine's default attention, the plugin's last window anchor where it ran
-    two) and its mtp / wmtp; only where at least two engines measured mtp and wmtp there."""
+    cycle (the median over its servers, its engine's default attention, the plugin's window set once a cycle where it
+    ran both anchors), how many servers each came from, and its mtp / wmtp with that ratio's range over every pairing
+    of one server of each arm; only where at least two engines measured mtp and wmtp there."""
     need = {"arm", "k", "context", "batch", "step_ms", "engine_version", "model"}
     if steps is None or steps.empty or not need <= set(steps.columns):
         return Section()
+    from wmtp.analyze.steps import server_ratio, server_steps
+
     steps = _with_attention(steps).assign(engine=_engine_names(steps))
     steps = steps[(steps["attention_config"] == "") & (steps["batch"] == 1) & steps["arm"].isin(CROSS_ENGINE_ARMS)]
     if "W" in steps.columns:  # a window-off control is not the windowed arm
@@ -631,18 +634,26 @@ def cross_engine_section(steps: pd.DataFrame | None) -> Section:
             row: dict[str, object] = {"model": model, "context": context_label(context), "tokens": int(context), "k": k}
             engines = 0
             for (name, version), at in group.groupby(["engine", "engine_version"], sort=True):
-                cycle = {}
+                chosen = {}
                 for arm in CROSS_ENGINE_ARMS:
-                    chosen = at[(at["arm"] == arm) & ((at["k"] == k) | (arm == "none"))]
-                    if "window_anchor" in chosen.columns:  # the plugin's window set once a cycle, where it was
-                        chosen = chosen.sort_values("window_anchor", key=lambda a: a.eq("cycle"), kind="stable")
-                    cycle[arm] = float(chosen["step_ms"].iloc[-1]) if len(chosen) else math.nan
-                if math.isnan(cycle["mtp"]) or math.isnan(cycle["wmtp"]):
+                    rows_of = at[(at["arm"] == arm) & ((at["k"] == k) | (arm == "none"))]
+                    if "window_anchor" in rows_of.columns:  # the plugin's window set once a cycle, where it was
+                        rows_of = rows_of.sort_values("window_anchor", key=lambda a: a.eq("cycle"), kind="stable")
+                    chosen[arm] = rows_of.iloc[-1] if len(rows_of) else None
+                if chosen["mtp"] is None or chosen["wmtp"] is None:
                     continue
                 engines += 1
                 label = f"{name} {version}"
-                row.update({f"{label}: {arm} (ms)": round(cycle[arm], 2) for arm in CROSS_ENGINE_ARMS})
-                row[f"{label}: mtp / wmtp"] = round(cycle["mtp"] / cycle["wmtp"], 3)
+                row.update({f"{label}: {arm} (ms)": round(cell_number(chosen[arm], "step_ms"), 2) for arm in chosen})
+                row[f"{label}: servers none/mtp/wmtp"] = "/".join(
+                    "–" if r is None else str(len(server_steps(r))) for r in chosen.values()
+                )
+                # The ratio of the servers' medians, and its range over every pairing of one server of each arm.
+                interval = server_ratio(pd.DataFrame([chosen["mtp"], chosen["wmtp"]]), "mtp", "wmtp").iloc[0]
+                row[f"{label}: mtp / wmtp"] = round(float(interval["ratio"]), 3)
+                row[f"{label}: range over servers"] = _interval_text(
+                    interval["ratio"], interval["ratio_lo"], interval["ratio_hi"]
+                )
             if engines >= 2:
                 rows.append(row)
     if not rows:

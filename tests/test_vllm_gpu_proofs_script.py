@@ -16,8 +16,35 @@ def _script():
     return module
 
 
-def _records(path: Path, drafts: dict[str, list]) -> Path:
+BLOCK = 96
+
+
+def _build(tag: str, table: list[int], committed: int, query: int = 4) -> dict:
+    return {
+        "kind": "build",
+        "tag": tag,
+        "block_size": BLOCK,
+        "full_blocks": [table],
+        "cycle_seq_lens": [committed + query],
+        "cycle_query_lens": [query],
+    }
+
+
+def _tables(ring_table: list[int] | None = None) -> list[dict]:
+    """A request of 40 blocks (3,840 tokens committed): wmtp's table whole, the ring's with blocks 1..29 freed (the
+    sink is block 0; S 16 and W 256 at 96-token blocks free up to block (3840 - 256) // 96 = 37)."""
+    whole = list(range(100, 140))
+    ring = ring_table if ring_table is not None else [100] + [0] * 29 + list(range(130, 140))
+    return [
+        _build("clean", whole, 3840),
+        _build("clean, read all", whole, 3840),
+        *(_build(tag, ring, 3840) for tag in ("ring clean", "ring poison outside", "ring clean, read all")),
+    ]
+
+
+def _records(path: Path, drafts: dict[str, list], builds: list[dict] | None = None) -> Path:
     lines = [{"kind": "propose", "tag": tag, "draft": d} for tag, each in drafts.items() for d in each]
+    lines += _tables() if builds is None else builds
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 
@@ -34,12 +61,15 @@ def test_the_ring_passes_where_it_drafts_as_wmtp_and_its_freed_blocks_are_unread
         "clean, read all": [[[4, 5, 7]]],
         "ring clean": [[[4, 5, 6]]],
         "ring poison outside": [[[4, 5, 6]]],
-        "ring clean, read all": [[[9, 9, 9]]],
+        "ring clean, read all": [[[4, 5, 7]]],
     }
     proofs, found = {}, {}
     script._ring_proofs({"code 4096": []}, _outputs([1, 2, 3]), _records(tmp_path / "r.jsonl", drafts), proofs, found)
     assert proofs and all(proofs.values()), proofs
     assert found["ring_read_set"]["ring clean"] == 1
+    assert found["ring_null_entries"] == {"ring": 3 * 29, "ring, misplaced": 0, "wmtp": 0}
+    # Told to read all, the ring proposed as wmtp told the same: recorded, not a proof.
+    assert found["ring_read_all_differs_from_wmtp_read_all"] is False
 
 
 def test_each_ring_proof_fails_on_its_own_evidence(tmp_path):
@@ -54,13 +84,26 @@ def test_each_ring_proof_fails_on_its_own_evidence(tmp_path):
     cases = {
         "ring read set: drafts as wmtp's": {"ring clean": [[[4, 5, 8]]], "ring poison outside": [[[4, 5, 8]]]},
         "ring read set: freed blocks unread": {"ring poison outside": [[[4, 0, 6]]]},
-        "ring read set: what it gave back is gone": {"ring clean, read all": [[[4, 5, 7]]]},
     }
     for failing, change in cases.items():
         proofs: dict = {}
         records = _records(tmp_path / f"{len(failing)}.jsonl", {**base, **change})
         script._ring_proofs({"code 4096": []}, _outputs([1, 2, 3]), records, proofs, {})
         assert [name for name, ok in proofs.items() if not ok] == [failing]
+    gone = "ring read set: what it gave back is gone"
+    whole = list(range(100, 140))
+    nulled = [100, 0, *whole[2:]]
+    wmtp_nulled = [b if b["tag"].startswith("ring") else {**b, "full_blocks": [nulled]} for b in _tables()]
+    for name, builds in {
+        "nothing freed": _tables(whole),
+        "the window's first block freed": _tables([100] + [0] * 37 + whole[38:]),
+        "the sink freed": _tables([0] + [0] * 29 + whole[30:]),
+        "a null block in wmtp's table": wmtp_nulled,
+    }.items():
+        proofs = {}
+        records = _records(tmp_path / "g.jsonl", base, builds)
+        script._ring_proofs({"code 4096": []}, _outputs([1, 2, 3]), records, proofs, {})
+        assert [n for n, ok in proofs.items() if not ok] == [gone], name
     proofs = {}
     script._ring_proofs({"code 4096": []}, _outputs([1, 9, 3]), _records(tmp_path / "l.jsonl", base), proofs, {})
     assert not proofs["ring lossless code 4096"]

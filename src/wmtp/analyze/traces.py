@@ -180,6 +180,41 @@ def cycle_breakdown(events: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
+# Host calls that wait for the device, and the calls that start device work, by their CUDA runtime or driver names.
+WAITS = frozenset(
+    {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cuStreamSynchronize"}
+)
+LAUNCHES = frozenset(
+    {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"}
+)
+
+
+def host_device_summary(events: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """What a trace of whole requests holds, engine-agnostic: its device span and busy time, how many kernels ran and
+    how many launches, graph replays and host waits the host made, and the host's PyTorch operations by name.
+    Two arms that answer the same tokens compare directly: what one adds shows here."""
+    device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
+    if not device:
+        raise TraceError("the trace holds no device events (was the GPU activity recorded?)")
+    intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in device]
+    span = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    runtime = [str(e.get("name", "")) for e in events if e.get("cat") in LAUNCH_CATEGORIES]
+    ops: dict[str, int] = {}
+    for event in events:
+        if event.get("cat") == "cpu_op":
+            name = str(event.get("name", ""))
+            ops[name] = ops.get(name, 0) + 1
+    return {
+        "device_span_us": span,
+        "device_busy_us": union_us(intervals),
+        "kernels": sum(1 for e in device if e.get("cat") == "kernel"),
+        "launches": sum(1 for name in runtime if name in LAUNCHES),
+        "graph_launches": sum(1 for name in runtime if name == "cudaGraphLaunch"),
+        "host_waits": sum(1 for name in runtime if name in WAITS),
+        "cpu_ops": dict(sorted(ops.items(), key=lambda item: (-item[1], item[0]))),
+    }
+
+
 def read_trace(path: Path) -> list[Mapping[str, Any]]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as handle:

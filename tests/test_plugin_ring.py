@@ -41,6 +41,8 @@ out = {}
 for engine in spec["engines"]:
     started = time.monotonic()
     sink, window = engine["window"]
+    # The plugin's instrument, on: its records of each free (engine core) and each draft build (worker).
+    os.environ["WMTP_PLUGIN_TEST_DIR"] = engine["records"]
     llm = LLM(model=spec["model"], dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
               max_model_len=4096, max_num_batched_tokens=spec["chunk"], distributed_executor_backend="uni",
               disable_log_stats=False, seed=0,
@@ -108,6 +110,9 @@ def runs(engine_python, random_model, work, engine_env) -> dict:
         for window in WINDOWS
         for ring in (False, True)
     ]
+    for number, engine in enumerate(engines):
+        engine["records"] = str(work / f"ring-records-{number}")
+        Path(engine["records"]).mkdir(exist_ok=True)
     spec = {
         "model": str(random_model),
         "k": K,
@@ -129,6 +134,10 @@ def runs(engine_python, random_model, work, engine_env) -> dict:
     )
     assert proc.returncode == 0, f"ring driver failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
     result = json.loads(Path(out_path).read_text())
+    for engine in engines:
+        records = Path(engine["records"]) / "records.jsonl"
+        lines = records.read_text().splitlines() if records.exists() else []
+        result[engine["name"]]["records"] = [json.loads(line) for line in lines]
     result["_log"] = proc.stdout + proc.stderr
     result["_total_s"] = time.monotonic() - started
     return result
@@ -223,3 +232,28 @@ def test_a_long_request_holds_a_bounded_number_of_draft_blocks(runs, window):
     bound = win.sink_blocks(sink, block) + -(-(width + K + 1) // block) + 1
     decode = [sum(b is not None for b in s["draft"]) for s in _decode_steps(ring, LONG)]
     assert decode and max(decode) <= bound, (decode, bound)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("window", WINDOWS, ids=[f"S{s}-W{w}" for s, w in WINDOWS])
+def test_the_instrument_sees_the_ring_free_after_the_sink_and_never_what_the_draft_reads(runs, window):
+    """The GPU proofs' judgement of the ring's frees (scripts/device/vllm_gpu_proofs.py, ring_frees) on this
+    engine's records: the ring's manager gave blocks back, each free started right after the sink, and none reached
+    a block the next draft forward read; wmtp never freed."""
+    proofs = _gpu_proofs_script()
+    ring, plain = runs[f"ring {window}"]["records"], runs[f"wmtp {window}"]["records"]
+    assert any(line["kind"] == "build" for line in ring)
+    frees = proofs.ring_frees(ring, *window)
+    assert frees["blocks_given_back"] > 0 and frees["frees"] > 0, frees
+    assert frees["not_after_the_sink"] == 0 and frees["into_a_read_window"] == 0, frees
+    assert not [line for line in plain if line["kind"] == "free"]
+
+
+def _gpu_proofs_script():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "device" / "vllm_gpu_proofs.py"
+    spec = importlib.util.spec_from_file_location("vllm_gpu_proofs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -55,6 +55,7 @@ def test_every_drafting_answer_is_the_no_draft_answer_and_every_windowed_one_nat
     assert len(windowed) == 24 and windowed["equal_to_mtp"].astype(bool).all()
     # The one difference from no draft is a near tie, and native MTP makes it too.
     diverged = table[~table["identical"]]
+    assert len(diverged) == 3 and diverged[["workload", "rung", "repeat"]].drop_duplicates().shape[0] == 1
     assert set(diverged["reason"].str.contains("near-tie")) == {True}
     assert set(diverged["arm"]) == {"mtp", "wmtp"}
 

@@ -19,33 +19,33 @@ def _script():
 BLOCK = 96
 
 
-def _build(tag: str, table: list[int], committed: int, query: int = 4) -> dict:
+def _build(tag: str, committed: int, query: int = 4) -> dict:
     return {
         "kind": "build",
         "tag": tag,
         "block_size": BLOCK,
-        "full_blocks": [table],
         "cycle_seq_lens": [committed + query],
         "cycle_query_lens": [query],
     }
 
 
-def _tables(ring_table: list[int] | None = None) -> list[dict]:
-    """A request of 40 blocks (3,840 tokens committed): wmtp's table whole, the ring's with blocks 1..29 freed (the
-    sink is block 0; S 16 and W 256 at 96-token blocks free up to block (3840 - 256) // 96 = 37)."""
-    whole = list(range(100, 140))
-    ring = ring_table if ring_table is not None else [100] + [0] * 29 + list(range(130, 140))
+def _free(tag: str, first: int, last: int) -> dict:
+    return {"kind": "free", "tag": tag, "first": first, "last": last, "taken": last - first, "block_size": BLOCK}
+
+
+def _frees(first: int = 1, last: int = 30) -> list[dict]:
+    """Under each ring tag, a free of blocks [first, last) before a draft forward with 3,840 tokens committed: S 16
+    and W 256 at 96-token blocks read the sink (block 0) and from block (3840 - 256) // 96 = 37 on."""
     return [
-        _build("clean", whole, 3840),
-        _build("clean, read all", whole, 3840),
-        *(_build(tag, ring, 3840) for tag in ("ring clean", "ring poison outside", "ring clean, read all")),
-    ]
+        line for tag in ("ring clean", "ring poison outside", "ring clean, read all")
+        for line in (_free(tag, first, last), _build(tag, 3840))
+    ]  # fmt: skip
 
 
-def _records(path: Path, drafts: dict[str, list], builds: list[dict] | None = None) -> Path:
-    lines = [{"kind": "propose", "tag": tag, "draft": d} for tag, each in drafts.items() for d in each]
-    lines += _tables() if builds is None else builds
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+def _records(path: Path, drafts: dict[str, list], lines: list[dict] | None = None) -> Path:
+    written = [{"kind": "propose", "tag": tag, "draft": d} for tag, each in drafts.items() for d in each]
+    written += _frees() if lines is None else lines
+    path.write_text("".join(json.dumps(line) + "\n" for line in written))
     return path
 
 
@@ -67,7 +67,9 @@ def test_the_ring_passes_where_it_drafts_as_wmtp_and_its_freed_blocks_are_unread
     script._ring_proofs({"code 4096": []}, _outputs([1, 2, 3]), _records(tmp_path / "r.jsonl", drafts), proofs, found)
     assert proofs and all(proofs.values()), proofs
     assert found["ring_read_set"]["ring clean"] == 1
-    assert found["ring_null_entries"] == {"ring": 3 * 29, "ring, misplaced": 0, "wmtp": 0}
+    assert found["ring_frees"] == {
+        "frees": 3, "blocks_given_back": 3 * 29, "not_after_the_sink": 0, "into_a_read_window": 0,
+    }  # fmt: skip
     # Told to read all, the ring proposed as wmtp told the same: recorded, not a proof.
     assert found["ring_read_all_differs_from_wmtp_read_all"] is False
 
@@ -91,17 +93,14 @@ def test_each_ring_proof_fails_on_its_own_evidence(tmp_path):
         script._ring_proofs({"code 4096": []}, _outputs([1, 2, 3]), records, proofs, {})
         assert [name for name, ok in proofs.items() if not ok] == [failing]
     gone = "ring read set: what it gave back is gone"
-    whole = list(range(100, 140))
-    nulled = [100, 0, *whole[2:]]
-    wmtp_nulled = [b if b["tag"].startswith("ring") else {**b, "full_blocks": [nulled]} for b in _tables()]
-    for name, builds in {
-        "nothing freed": _tables(whole),
-        "the window's first block freed": _tables([100] + [0] * 37 + whole[38:]),
-        "the sink freed": _tables([0] + [0] * 29 + whole[30:]),
-        "a null block in wmtp's table": wmtp_nulled,
+    for name, lines in {
+        "nothing freed": [_build("ring clean", 3840)],
+        "the window's first block freed": _frees(1, 38),
+        "the sink freed": _frees(0, 30),
+        "freed before a forward that still reads it": [_free("ring clean", 1, 30), _build("ring clean", 2000)],
     }.items():
         proofs = {}
-        records = _records(tmp_path / "g.jsonl", base, builds)
+        records = _records(tmp_path / "g.jsonl", base, lines)
         script._ring_proofs({"code 4096": []}, _outputs([1, 2, 3]), records, proofs, {})
         assert [n for n, ok in proofs.items() if not ok] == [gone], name
     proofs = {}

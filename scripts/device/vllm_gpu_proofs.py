@@ -28,12 +28,13 @@ With ``--ring`` it serves the ring (wmtp-ring, the draft's KV kept to sink + win
 pool) as a third engine and proves it too: lossless against MTP; on the read-set prompt it proposes exactly what
 wmtp proposes; poisoned where its freed blocks were (the draft's table points there at vLLM's null block, or at a
 block another request now holds, were a freed one still listed) it proposes what it proposes clean; and what it
-gave back is gone: its draft's block table holds vLLM's null block in place of blocks between the sink and the
-window, never inside either, while wmtp's tables hold none. Every engine runs with a token budget of
+gave back is gone: its KV cache manager gave blocks back to the pool (the instrument records each free in the
+engine core, where it happens; the worker's block table keeps the freed ids), every free starting right after the
+sink and none reaching a block the next draft forward reads. Every engine runs with a token budget of
 ``TOKEN_BUDGET``: the ring frees only behind every budget in flight, and at vLLM's GPU default (16,384 tokens, two
 batches in flight) a 12K prompt would keep all its blocks. What a draft told to read past what the ring keeps
 proposes, beside wmtp's told the same, is recorded, not proven: where the clean draft does not depend on the far
-context, reading it or the null block in its place proposes alike.
+context, reading it or what now sits in the freed blocks proposes alike.
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ PENALTY = 1.15  # the Windowed-MTP artifact's repetition penalty
 # max_num_batched_tokens of every engine, so that the ring frees within the prompts: it frees a request's blocks only
 # behind the token budgets in flight (wmtp.plugin.ring_math.free_lag, retained_blocks).
 TOKEN_BUDGET = 2048
-NULL_BLOCK = 0  # vLLM's null block, the pool's first (vllm.v1.core.block_pool), where a freed table entry points
 
 
 def make_prompts(out: Path) -> None:
@@ -150,24 +150,30 @@ def _drafts(records: Path, tag: str) -> list:
     return [r["draft"] for r in _lines(records) if r.get("kind") == "propose" and r.get("tag") == tag]
 
 
-def null_entries(builds: list[dict], sink: int, window: int) -> tuple[int, int]:
-    """In the draft tables of ``builds`` (the instrument's build records), how many entries hold vLLM's null block,
-    and how many of those lie where the ring, at (``sink``, ``window``), may not have freed: inside the sink, or at
-    or after the first block of the window read by the cycle's first query (``wmtp.plugin.ring_math.freed_blocks``
-    at the tokens committed before the cycle)."""
+def ring_frees(lines: list[dict], sink: int, window: int) -> dict[str, int]:
+    """The ring's frees judged against the draft's reads, from the instrument's records in the order written, one
+    request at a time: the engine core's ``free`` records (what the ring's KV cache manager gave back to the pool;
+    the worker's block table keeps the freed ids, so only the manager can show it) and the worker's ``build`` records
+    (each draft forward's lengths). Counts the blocks given back, the frees that did not start right after the sink,
+    and the frees that reached a block the next draft forward reads: at or past the first block of the window of
+    its cycle's first query (``wmtp.plugin.ring_math.freed_blocks`` there)."""
+    from wmtp.plugin import window as win
     from wmtp.plugin.ring_math import freed_blocks
 
-    found = misplaced = 0
-    for build in builds:
-        size = build["block_size"]
-        rows = zip(build["full_blocks"], build["cycle_seq_lens"], build["cycle_query_lens"], strict=True)
-        for row, seq_len, query_len in rows:
-            first, last = freed_blocks(seq_len - query_len, sink, window, size)
-            for index, block in enumerate(row):
-                if block == NULL_BLOCK:
-                    found += 1
-                    misplaced += not first <= index < last
-    return found, misplaced
+    found = {"frees": 0, "blocks_given_back": 0, "not_after_the_sink": 0, "into_a_read_window": 0}
+    waiting: list[dict] = []
+    for line in lines:
+        if line.get("kind") == "free":
+            found["frees"] += 1
+            found["blocks_given_back"] += line["taken"]
+            found["not_after_the_sink"] += line["first"] != win.sink_blocks(sink, line["block_size"])
+            waiting.append(line)
+        elif line.get("kind") == "build" and waiting:
+            p0 = min(s - q for s, q in zip(line["cycle_seq_lens"], line["cycle_query_lens"], strict=True))
+            _, window_start = freed_blocks(p0, sink, window, line["block_size"])
+            found["into_a_read_window"] += sum(free["last"] > window_start for free in waiting)
+            waiting = []
+    return found
 
 
 RING_TAGS = ("ring clean", "ring poison outside", "ring clean, read all")
@@ -198,11 +204,11 @@ def _ring_proofs(prompts: dict, outputs: dict, records: Path, proofs: dict, foun
     every = all(drafts.values())
     proofs["ring read set: drafts as wmtp's"] = every and drafts["ring clean"] == drafts["clean"]
     proofs["ring read set: freed blocks unread"] = every and drafts["ring poison outside"] == drafts["ring clean"]
-    builds = [line for line in _lines(records) if line.get("kind") == "build"]
-    ring_nulls, misplaced = null_entries([b for b in builds if b.get("tag") in RING_TAGS], SINK, WINDOW)
-    wmtp_nulls, _ = null_entries([b for b in builds if b.get("tag") in ("clean", "clean, read all")], SINK, WINDOW)
-    found["ring_null_entries"] = {"ring": ring_nulls, "ring, misplaced": misplaced, "wmtp": wmtp_nulls}
-    proofs["ring read set: what it gave back is gone"] = ring_nulls > 0 and misplaced == 0 and wmtp_nulls == 0
+    frees = ring_frees([line for line in _lines(records) if line.get("tag") in RING_TAGS], SINK, WINDOW)
+    found["ring_frees"] = frees
+    proofs["ring read set: what it gave back is gone"] = (
+        frees["blocks_given_back"] > 0 and frees["not_after_the_sink"] == 0 and frees["into_a_read_window"] == 0
+    )
     found["ring_read_all_differs_from_wmtp_read_all"] = drafts["ring clean, read all"] != drafts["clean, read all"]
     found["wmtp_read_all_differs_from_clean"] = drafts["clean, read all"] != drafts["clean"]
 

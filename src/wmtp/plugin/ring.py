@@ -41,6 +41,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCache
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from wmtp.plugin import hookpoints as hp
+from wmtp.plugin import testing
 from wmtp.plugin import window as win
 from wmtp.plugin.ring_math import (
     cdiv,
@@ -143,6 +144,7 @@ class SinkWindowManager(SingleTypeKVCacheManager):
         taken = free_range(blocks, first, last, self._null_block)
         if taken:
             self.block_pool.free_blocks(taken)
+            testing.observe_free(request_id, computed_tokens, committed, first, last, len(taken), self.block_size)
 
 
 def _wrap_grouping(original, group_specs):

@@ -14,7 +14,9 @@ The engine tests (tests/test_plugin_vllm.py) use them to keep server starts few 
   ``"skip_window": true`` makes the hooked build hand the metadata through unwindowed (a hook that
   does nothing), so the cell's check of the plugin's counters can be shown to fail;
 - ``records.jsonl`` receives one line per windowed metadata build (full and windowed block tables
-  and sequence lengths) and one per ``propose()`` call (the draft tokens).
+  and sequence lengths), one per ``propose()`` call (the draft tokens) and, under the ring, one per call of its
+  KV cache manager that gave blocks back to the pool (in the engine core, where freeing happens: the worker's
+  block table keeps the freed ids).
 
 Nothing here runs in a normal server: every entry point returns at once when the variable is unset.
 """
@@ -90,6 +92,27 @@ def install(proposer: Any) -> None:
         return draft
 
     proposer.propose = propose
+
+
+def observe_free(
+    request_id: str, computed_tokens: int, committed: int, first: int, last: int, taken: int, block_size: int
+) -> None:
+    """Record the ring's manager giving ``taken`` blocks back: the count it was handed, the committed tokens it
+    freed behind, and the block range [first, last) it freed."""
+    if _dir() is None:
+        return
+    _record(
+        {
+            "kind": "free",
+            "request": request_id,
+            "computed_tokens": computed_tokens,
+            "committed": committed,
+            "first": first,
+            "last": last,
+            "taken": taken,
+            "block_size": block_size,
+        }
+    )
 
 
 def observe(

@@ -237,23 +237,14 @@ def test_a_long_request_holds_a_bounded_number_of_draft_blocks(runs, window):
 @pytest.mark.engine
 @pytest.mark.parametrize("window", WINDOWS, ids=[f"S{s}-W{w}" for s, w in WINDOWS])
 def test_the_instrument_sees_the_ring_free_after_the_sink_and_never_what_the_draft_reads(runs, window):
-    """The GPU proofs' judgement of the ring's frees (scripts/device/vllm_gpu_proofs.py, ring_frees) on this
+    """The GPU proofs' judgement of the ring's frees (wmtp.measure.proofs.ring_frees) on this
     engine's records: the ring's manager gave blocks back, each free started right after the sink, and none reached
     a block the next draft forward read; wmtp never freed."""
-    proofs = _gpu_proofs_script()
+    from wmtp.measure.proofs import ring_frees
+
     ring, plain = runs[f"ring {window}"]["records"], runs[f"wmtp {window}"]["records"]
     assert any(line["kind"] == "build" for line in ring)
-    frees = proofs.ring_frees(ring, *window)
+    frees = ring_frees(ring, *window)
     assert frees["blocks_given_back"] > 0 and frees["frees"] > 0, frees
     assert frees["not_after_the_sink"] == 0 and frees["into_a_read_window"] == 0, frees
     assert not [line for line in plain if line["kind"] == "free"]
-
-
-def _gpu_proofs_script():
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "device" / "vllm_gpu_proofs.py"
-    spec = importlib.util.spec_from_file_location("vllm_gpu_proofs", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -150,32 +150,6 @@ def _drafts(records: Path, tag: str) -> list:
     return [r["draft"] for r in _lines(records) if r.get("kind") == "propose" and r.get("tag") == tag]
 
 
-def ring_frees(lines: list[dict], sink: int, window: int) -> dict[str, int]:
-    """The ring's frees judged against the draft's reads, from the instrument's records in the order written, one
-    request at a time: the engine core's ``free`` records (what the ring's KV cache manager gave back to the pool;
-    the worker's block table keeps the freed ids, so only the manager can show it) and the worker's ``build`` records
-    (each draft forward's lengths). Counts the blocks given back, the frees that did not start right after the sink,
-    and the frees that reached a block the next draft forward reads: at or past the first block of the window of
-    its cycle's first query (``wmtp.plugin.ring_math.freed_blocks`` there)."""
-    from wmtp.plugin import window as win
-    from wmtp.plugin.ring_math import freed_blocks
-
-    found = {"frees": 0, "blocks_given_back": 0, "not_after_the_sink": 0, "into_a_read_window": 0}
-    waiting: list[dict] = []
-    for line in lines:
-        if line.get("kind") == "free":
-            found["frees"] += 1
-            found["blocks_given_back"] += line["taken"]
-            found["not_after_the_sink"] += line["first"] != win.sink_blocks(sink, line["block_size"])
-            waiting.append(line)
-        elif line.get("kind") == "build" and waiting:
-            p0 = min(s - q for s, q in zip(line["cycle_seq_lens"], line["cycle_query_lens"], strict=True))
-            _, window_start = freed_blocks(p0, sink, window, line["block_size"])
-            found["into_a_read_window"] += sum(free["last"] > window_start for free in waiting)
-            waiting = []
-    return found
-
-
 RING_TAGS = ("ring clean", "ring poison outside", "ring clean, read all")
 
 
@@ -195,6 +169,7 @@ def _ring_read_set(llm, test_dir: Path, ids: list[int], outputs: dict) -> None:
 
 def _ring_proofs(prompts: dict, outputs: dict, records: Path, proofs: dict, found: dict) -> None:
     from wmtp.analyze.equality import equal_up_to_numerics
+    from wmtp.measure.proofs import ring_frees
 
     for name in prompts:
         mtp, ring = outputs[f"mtp {name}"], outputs[f"wmtp-ring {name}"]

@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,11 +200,7 @@ def host_device_summary(events: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in device]
     span = max(end for _, end in intervals) - min(start for start, _ in intervals)
     runtime = [str(e.get("name", "")) for e in events if e.get("cat") in LAUNCH_CATEGORIES]
-    ops: dict[str, int] = {}
-    for event in events:
-        if event.get("cat") == "cpu_op":
-            name = str(event.get("name", ""))
-            ops[name] = ops.get(name, 0) + 1
+    ops = Counter(str(e.get("name", "")) for e in events if e.get("cat") == "cpu_op")
     return {
         "device_span_us": span,
         "device_busy_us": union_us(intervals),

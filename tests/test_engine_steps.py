@@ -84,18 +84,20 @@ def test_nothing_to_show_without_a_step_file():
 
 
 def test_the_committed_h200_steps_are_the_engines_clock_over_several_servers():
-    """The real-engine file as committed: every arm at 128K, 512K and 1M for each plugin (the window set per forward
-    and per cycle), timed by the engine's clock, mtp from three servers or more at 128K and 1M and every drafting arm
-    from at least two, every cycle above its byte floor, the window applied in every wmtp row, and every growth timed
-    within a server above its extra bytes: 512K to 1M in each arm, 128K to 512K in each arm but the per-forward
-    plugin's wmtp."""
+    """The real-engine file as committed: every arm at 128K, 512K and 1M for each plugin that set the window with
+    PyTorch operations (per forward and per cycle), and at 128K and 1M for the one whose Triton kernels set it, timed
+    by the engine's clock, mtp from three servers or more at 128K and 1M and every drafting arm from at least two,
+    every cycle above its byte floor, the window applied in every wmtp row, and every growth timed within a server
+    above its extra bytes: 512K to 1M in each arm, 128K to 512K in each arm but the per-forward plugin's wmtp."""
     path = ROOT / "measurements" / "h200" / "vllm_qwen3.6-35b-a3b.csv"
     steps = load_engine_steps([path])
     assert (steps["clock"] == "engine").all() and (steps["over_floor"] > 1).all()
     frame = engine_step_section(steps, None).frame
     assert (frame["clock"] == "engine").all() and (frame["windowed draft forwards (server)"] > 0).all()
-    for _, plugin in frame.groupby("wmtp window set per"):
-        assert plugin["tokens"].tolist() == [131072, 524288, 1048576]
+    assert sorted(frame["wmtp window set per"].unique()) == ["cycle", "cycle, Triton kernels", "forward"]
+    for key, plugin in frame.groupby("wmtp window set per"):
+        contexts = [131072, 1048576] if key.endswith("Triton kernels") else [131072, 524288, 1048576]
+        assert plugin["tokens"].tolist() == contexts
         servers = [[int(n) for n in s.split("/")] for s in plugin["servers none/mtp/wmtp"]]
         assert all(min(mtp, wmtp) >= 2 for _, mtp, wmtp in servers)
         assert servers[0][1] >= 3 and servers[-1][1] >= 3

@@ -21,18 +21,24 @@ def test_the_answer_is_short_states_intervals_and_sets_the_paper_at_its_own_d():
     text = " ".join(sentences)
     # the engine's range over servers holds 1 at 131K: not a number to read
     assert "131K: not resolved [" in text
-    # each plugin its own clause, the current one first, each context once in each
-    measured = text.split("with the draft's window set once a decode cycle, ")[1].split(" (ranges over pairings")[0]
-    current, earlier = measured.split("; and with the draft's window set for each draft forward, ")
+    # each plugin its own clause, the newest first (its Triton kernels, then the window set once a cycle by PyTorch
+    # operations, then for each forward), each context it measured once in each
+    measured = text.split("with the draft's window set once a decode cycle, by the plugin's Triton kernels, ")[1]
+    measured = measured.split(" (ranges over pairings")[0]
+    triton, rest = measured.split("; and with the draft's window set once a decode cycle, ")
+    current, earlier = rest.split("; and with the draft's window set for each draft forward, ")
+    assert [part.split(":")[0] for part in triton.split("; ")] == ["131K", "1M"]
     for clause in (current, earlier):
         assert [part.split(":")[0] for part in clause.split("; ")] == ["131K", "524K", "1M"]
     # servers on several GPUs: the ratio over pairings on one GPU leads, the pooled range follows, flagged where
     # it passes the ceiling
+    assert triton.startswith("131K: 1.027 [1.010, 1.044] between servers on one GPU, 1.10 [1.00, 1.32] over 4 GPUs")
     assert current.startswith(
-        "131K: 1.03 [1.02, 1.11] between servers on one GPU, 1.19 [1.02, 1.33] over 3 GPUs (its range passes the "
+        "131K: 1.03 [1.02, 1.11] between servers on one GPU, 1.11 [1.02, 1.33] over 4 GPUs (its range passes the "
         "ceiling 1.30: servers, not the window)"
     )
-    assert "1M: 1.138 between servers on one GPU (one pairing), 1.139 [1.135, 1.143] over 4 GPUs" in current
+    assert "1M: 1.138 between servers on one GPU (one pairing), 1.138 [1.134, 1.143] over 5 GPUs" in current
+    assert "1M: 1.1363 [1.1337, 1.1390] between servers on one GPU, 1.138 [1.134, 1.141] over 4 GPUs" in triton
     # the window-off control beside the windowed cycle: the window's own saving at each context it was measured
     assert "the window alone saves (the control's cycle over the windowed one) is 131K: 1.033 [" in text
     assert "d 7 (6 draft forwards), W 4032, S 64" in text

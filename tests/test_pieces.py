@@ -79,7 +79,7 @@ def test_the_layout_owns_exactly_the_committed_piece_paths(h200):
         for piece in expand_pieces(h200)
     }
     assert listed == set(committed_manifests())
-    assert len(listed) == 23
+    assert len(listed) == 27
 
 
 def test_a_listed_piece_measures_what_the_committed_one_recorded(h200):
@@ -100,20 +100,24 @@ def test_a_listed_piece_measures_what_the_committed_one_recorded(h200):
 def test_selection_runs_the_longest_rung_first_then_server_by_server_in_the_arms_order(h200):
     picked = select_pieces(expand_pieces(h200), arms=["wmtp", "mtp"])
     order = [(p.group, p.cell.arm, p.cell.server) for p in picked]
-    assert order[:11] == [
+    assert order[:15] == [
         ("rungs~1048576-524288", "wmtp", 1),
         ("rungs~1048576-524288-131072", "wmtp", 1),
+        ("rungs~1048576-131072", "wmtp", 1),  # the window-off control
         ("rungs~1048576-131072", "wmtp", 1),
         ("rungs~1048576-524288", "mtp", 1),
         ("rungs~1048576-131072", "mtp", 1),
         ("rungs~1048576-524288", "wmtp", 2),
         ("rungs~1048576-524288-131072", "wmtp", 2),
+        ("rungs~1048576-131072", "wmtp", 2),
         ("rungs~1048576-524288", "mtp", 2),
+        ("rungs~1048576-131072", "mtp", 2),
         ("rungs~1048576-524288-131072", "wmtp", 3),
         ("rung~1048576", "mtp", 3),
+        ("rungs~1048576-131072", "mtp", 3),
         ("rungs~524288-131072", "mtp", 1),
     ]
-    assert order[11:] == [("rung~131072", arm, server) for server in (1, 2, 3) for arm in ("wmtp", "mtp")]
+    assert order[15:] == [("rung~131072", arm, server) for server in (1, 2, 3) for arm in ("wmtp", "mtp")]
     # Longest rung first across groups: none's piece over all three rungs comes before every 128K piece.
     everything = [p.group for p in select_pieces(expand_pieces(h200))]
     assert everything.index("rungs~1048576-524288-131072") < everything.index("rung~131072")
@@ -169,6 +173,7 @@ def test_wmtp_pieces_prints_the_target_paths_of_a_selection(capsys):
     raw = "results/h200-vllm/raw"
     assert capsys.readouterr().out.splitlines() == [
         f"{raw}/rung~1048576/{MODEL}/arm~mtp/k~3/c~1/server~3/manifest.json",
+        f"{raw}/rungs~1048576-131072/{MODEL}/arm~mtp/k~3/c~1/server~3/manifest.json",
         f"{raw}/rungs~1048576-524288-131072/{MODEL}/arm~wmtp/k~3/s~16/w~4096/c~1/server~3/manifest.json",
         f"{raw}/rung~131072/{MODEL}/arm~mtp/k~3/c~1/server~3/manifest.json",
         f"{raw}/rung~131072/{MODEL}/arm~wmtp/k~3/s~16/w~4096/c~1/server~3/manifest.json",

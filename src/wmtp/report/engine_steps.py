@@ -131,11 +131,18 @@ def _plugin_keys(rows: pd.DataFrame) -> pd.Series:
     return anchors + kernels.map(lambda v: TRITON_KERNELS if v == "triton" else "")
 
 
+def plugin_order(key: object) -> tuple[bool, bool, str]:
+    """Sorts plugin keys newest first: the window set once a cycle by the plugin's Triton kernels, then once a cycle
+    by PyTorch operations, then for each forward."""
+    text = str(key)
+    return (not text.startswith("cycle"), not text.endswith(TRITON_KERNELS), text)
+
+
 def _anchors(group: pd.DataFrame, k: int) -> list[str]:
     """The plugins that measured wmtp at that k: where each set a draft forward's window ("cycle", "forward"), and by
-    which kernels (``_plugin_keys``)."""
+    which kernels (``_plugin_keys``), newest first."""
     rows = group[(group["arm"] == "wmtp") & (group["k"] == k)]
-    return sorted(set(_plugin_keys(rows)), key=lambda key: (not key.startswith("cycle"), key))
+    return sorted(set(_plugin_keys(rows)), key=plugin_order)
 
 
 def _windowed(
@@ -637,8 +644,9 @@ def cross_engine_section(steps: pd.DataFrame | None) -> Section:
                 chosen = {}
                 for arm in CROSS_ENGINE_ARMS:
                     rows_of = at[(at["arm"] == arm) & ((at["k"] == k) | (arm == "none"))]
-                    if "window_anchor" in rows_of.columns:  # the plugin's window set once a cycle, where it was
-                        rows_of = rows_of.sort_values("window_anchor", key=lambda a: a.eq("cycle"), kind="stable")
+                    if "window_anchor" in rows_of.columns:  # the newest plugin that measured it, last
+                        newest = sorted(_plugin_keys(rows_of).items(), key=lambda item: plugin_order(item[1]))
+                        rows_of = rows_of.loc[[index for index, _ in reversed(newest)]]
                     chosen[arm] = rows_of.iloc[-1] if len(rows_of) else None
                 if chosen["mtp"] is None or chosen["wmtp"] is None:
                     continue

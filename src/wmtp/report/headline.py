@@ -9,7 +9,7 @@ import pandas as pd
 
 from wmtp.config import PAPER_DRAFT_TOKENS, PAPER_SINK, PAPER_WINDOW
 from wmtp.report.compare import PAPER_DRAFT_FORWARDS
-from wmtp.report.engine_steps import TRITON_KERNELS, ceiling_ratio, cell_number
+from wmtp.report.engine_steps import TRITON_KERNELS, ceiling_ratio, cell_number, plugin_order
 from wmtp.report.labels import fmt_interval
 
 MAX_SENTENCES = 6
@@ -129,7 +129,7 @@ def headline_sentences(engine: pd.DataFrame | None, claim: dict[str, float] | No
             anchor = "wmtp window set per"
             plugins = by_shape.groupby(anchor, sort=False) if anchor in by_shape.columns else [(None, by_shape)]
             clauses = []
-            for plugin, rows in sorted(plugins, key=lambda item: str(item[0]) != "cycle"):
+            for plugin, rows in sorted(plugins, key=lambda item: plugin_order(item[0])):
                 measured = "; ".join(_measured(r) for _, r in rows.sort_values("tokens").iterrows())
                 said = f"with the draft's window set {_plugin_text(plugin)}, {measured}" if plugin else measured
                 clauses.append(said)

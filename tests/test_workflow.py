@@ -80,7 +80,7 @@ def test_h200_study_dry_run(tmp_path):
     out = run("-n", "--configfile", "config/studies/h200-vllm.yaml", *scratch_dirs(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     jobs = job_counts(out.stdout)
-    assert jobs["dummy_model"] == 1 and jobs["engine"] == 1 and jobs["piece"] == 23
+    assert jobs["dummy_model"] == 1 and jobs["engine"] == 1 and jobs["piece"] == 27
     assert jobs["collect_pieces"] == 6 and jobs["step_table"] == 1
     assert not {"cell", "collect", "report", "tiny_model", "trained_model"} & set(jobs)
     assert re.search(r"-m wmtp\.model\.dummy --architecture \S*/config/models/qwen3\.6-35b-a3b\.json ", out.stdout)

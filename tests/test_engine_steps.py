@@ -151,6 +151,26 @@ def test_the_windows_saving_splits_into_bytes_and_what_a_tuned_engine_takes_away
     assert not window_gain_split(steps[steps["attention_config"] == ""]).available
 
 
+def test_each_engine_sets_its_newest_plugin_beside_the_other(tmp_path):
+    from wmtp.report.engine_steps import cross_engine_section
+
+    vllm = [
+        _step("none", 0, 131072, 5.0),
+        _step("mtp", 3, 131072, 10.0),
+        _step("wmtp", 3, 131072, 8.5, window_anchor="cycle", window_kernels="triton"),
+        _step("wmtp", 3, 131072, 9.0, window_anchor="cycle", window_kernels="torch"),
+        _step("wmtp", 3, 131072, 8.0, window_anchor="forward", window_kernels="torch"),
+    ]
+    sglang = [
+        {**_step(arm, k, 131072, ms, window_anchor="forward"), "engine_version": "0.5.17"}
+        for arm, k, ms in (("none", 0, 6.0), ("mtp", 3, 12.0), ("wmtp", 3, 10.0))
+    ]
+    second = tmp_path / "sglang_qwen3.6-35b-a3b.csv"
+    pd.DataFrame(sglang).to_csv(second, index=False)
+    row = cross_engine_section(load_engine_steps([_write(tmp_path, vllm), second])).frame.iloc[0]
+    assert row["vLLM 0.24.0: wmtp (ms)"] == 8.5 and row["vLLM 0.24.0: none (ms)"] == 5
+
+
 def test_the_same_shape_in_two_engines_side_by_side(tmp_path):
     from wmtp.report.engine_steps import cross_engine_section
 

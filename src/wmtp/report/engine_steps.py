@@ -644,10 +644,10 @@ def cross_engine_section(steps: pd.DataFrame | None) -> Section:
                 chosen = {}
                 for arm in CROSS_ENGINE_ARMS:
                     rows_of = at[(at["arm"] == arm) & ((at["k"] == k) | (arm == "none"))]
-                    if "window_anchor" in rows_of.columns:  # the newest plugin that measured it, last
-                        newest = sorted(_plugin_keys(rows_of).items(), key=lambda item: plugin_order(item[1]))
-                        rows_of = rows_of.loc[[index for index, _ in reversed(newest)]]
-                    chosen[arm] = rows_of.iloc[-1] if len(rows_of) else None
+                    if "window_anchor" in rows_of.columns:  # the newest plugin that measured it
+                        keys = _plugin_keys(rows_of)
+                        rows_of = rows_of.loc[sorted(rows_of.index, key=lambda i: plugin_order(keys[i]))]
+                    chosen[arm] = rows_of.iloc[0] if len(rows_of) else None
                 if chosen["mtp"] is None or chosen["wmtp"] is None:
                     continue
                 engines += 1

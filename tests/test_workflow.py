@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -147,6 +148,30 @@ def test_the_tuned_h200_study_serves_its_attention_options_and_its_step_file_kee
     assert "results/h200-vllm-tuned/steps/qwen3.6-35b-a3b~vllm-tuned.csv" in out.stdout
 
 
+def test_the_float32_state_study_serves_the_35b_with_its_checkpoints_state_dtype_under_a_name_of_its_own(tmp_path):
+    """vLLM 0.24 keeps a Qwen3-Next's recurrent state in bf16 unless told: every server of this study is told float32,
+    the state the facts file gives, and its step file is its own, never h200-vllm's."""
+    from wmtp.config import load_study
+    from wmtp.engines.base import ServeRequest, flag_value
+    from wmtp.engines.vllm import serve_argv
+
+    study = load_study(REPO / "config" / "studies" / "h200-vllm-f32-state.yaml")
+    (engine,) = study.engines
+    (model,) = study.models
+    facts = json.loads((REPO / "config" / "models" / f"{model.architecture}.json").read_text())
+    for cell in study.cells():
+        request = ServeRequest(
+            python="python3", model_dir="m", served_name="m", port=1, max_model_len=model.max_model_len, draft=cell,
+            engine_args=tuple(engine.serve_args), model_args=tuple(model.serve_args),
+        )  # fmt: skip
+        assert flag_value(serve_argv(request), "--mamba-ssm-cache-dtype") == facts["dtypes"]["recurrent_state"]
+    out = run("-n", "--configfile", "config/studies/h200-vllm-f32-state.yaml", *scratch_dirs(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    jobs = job_counts(out.stdout)
+    assert jobs["dummy_model"] == 1 and jobs["piece"] == 3 and jobs["step_table"] == 1
+    assert "results/h200-vllm-f32-state/steps/qwen3.6-35b-a3b-f32-state~vllm.csv" in out.stdout
+
+
 def test_the_paper_shapes_study_writes_three_nvfp4_dummies_and_plans_a_piece_per_model_and_arm(tmp_path):
     out = run("-n", "--configfile", "config/studies/h200-paper-shapes.yaml", *scratch_dirs(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -155,6 +180,29 @@ def test_the_paper_shapes_study_writes_three_nvfp4_dummies_and_plans_a_piece_per
     for facts in ("qwen3.6-35b-a3b", "qwen3.5-122b-a10b", "nemotron-3-super-120b-a12b"):
         assert re.search(rf"-m wmtp\.model\.dummy --architecture \S*/config/models/{re.escape(facts)}\.json .*"
                          r"--max-position-embeddings 1040576 --quantization nvfp4 ", out.stdout), facts  # fmt: skip
+
+
+def test_the_paper_shapes_qwen_servers_keep_the_recurrent_state_in_the_checkpoints_float32():
+    """The dummy of a Qwen is a Qwen3-Next, whose state vLLM 0.24 keeps in bf16 unless told; Nemotron-H's it keeps
+    in float32 by itself."""
+    from wmtp.config import load_study
+    from wmtp.engines.base import ServeRequest, flag_value
+    from wmtp.engines.vllm import serve_argv
+
+    study = load_study(REPO / "config" / "studies" / "h200-paper-shapes.yaml")
+    (engine,) = study.engines
+    told = {}
+    for model in study.models:
+        facts = json.loads((REPO / "config" / "models" / f"{model.architecture}.json").read_text())
+        cell = next(c for c in study.cells() if c.model == model.name and c.arm == "wmtp")
+        request = ServeRequest(
+            python="python3", model_dir="m", served_name="m", port=1, max_model_len=model.max_model_len, draft=cell,
+            engine_args=tuple(engine.serve_args), model_args=tuple(model.serve_args),
+        )  # fmt: skip
+        told[facts["family"]] = flag_value(serve_argv(request), "--mamba-ssm-cache-dtype")
+        if facts["family"] == "gdn_moe":
+            assert told["gdn_moe"] == facts["dtypes"]["recurrent_state"] == "float32", model.name
+    assert told == {"gdn_moe": "float32", "mamba2_moe": None}
 
 
 def test_bad_config_fails_before_anything_runs(tmp_path):

@@ -157,5 +157,25 @@ def test_a_trace_summary_counts_device_time_once_and_every_launch_wait_and_opera
     assert summary["device_span_us"] == 32.0 and summary["device_busy_us"] == 17.0
     assert (summary["kernels"], summary["launches"], summary["graph_launches"], summary["host_waits"]) == (2, 2, 1, 1)
     assert list(summary["cpu_ops"].items()) == [("aten::sub", 2), ("aten::gather", 1)]
+    assert summary["cpu_op_us"] == {"aten::sub": 2.0, "aten::gather": 1.0}
+    assert (summary["launch_us"], summary["host_wait_us"]) == (2.0, 9.0)  # cudaMemcpyAsync neither launches nor waits
     with pytest.raises(TraceError, match="no device events"):
         host_device_summary([e for e in events if e["cat"] != "kernel" and e["cat"] != "gpu_memcpy"])
+
+
+def test_annotated_ranges_give_their_lengths_and_the_period_at_which_the_engine_repeats_them():
+    # A "draft" range every 7 ms, the last one 2 ms late; a "verify" once; the device's own annotations are not the
+    # host's.
+    events = [
+        {"cat": "user_annotation", "name": "draft", "ts": 23_000.0, "dur": 3_000.0},
+        {"cat": "user_annotation", "name": "draft", "ts": 0.0, "dur": 1_000.0},
+        {"cat": "user_annotation", "name": "draft", "ts": 7_000.0, "dur": 2_000.0},
+        {"cat": "user_annotation", "name": "draft", "ts": 14_000.0, "dur": 1_000.0},
+        {"cat": "user_annotation", "name": "verify", "ts": 1_000.0, "dur": 500.0},
+        {"cat": "gpu_user_annotation", "name": "draft", "ts": 3.0, "dur": 99_999.0},
+        {"cat": "kernel", "name": "k", "ts": 0.0, "dur": 1.0},
+    ]
+    times = host_device_summary(events)["annotations"]
+    assert times["draft"] == {"n": 4, "median_us": 1_500.0, "total_us": 7_000.0, "median_period_us": 7_000.0}
+    assert times["verify"] == {"n": 1, "median_us": 500.0, "total_us": 500.0, "median_period_us": None}
+    assert set(times) == {"draft", "verify"}

@@ -27,9 +27,11 @@ import json
 import logging
 import math
 import re
+import statistics
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -192,24 +194,59 @@ LAUNCHES = frozenset(
 
 def host_device_summary(events: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """What a trace of whole requests holds, engine-agnostic: its device span and busy time, how many kernels ran and
-    how many launches, graph replays and host waits the host made, and the host's PyTorch operations by name.
-    Two arms that answer the same tokens compare directly: what one adds shows here."""
+    how many launches, graph replays and host waits the host made and how long they took, the host's PyTorch
+    operations by name (how many, and their time), and its annotated ranges (``annotation_times``). Two arms that
+    answer the same tokens compare directly: what one adds shows here."""
     device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
     if not device:
         raise TraceError("the trace holds no device events (was the GPU activity recorded?)")
     intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in device]
     span = max(end for _, end in intervals) - min(start for start, _ in intervals)
-    runtime = [str(e.get("name", "")) for e in events if e.get("cat") in LAUNCH_CATEGORIES]
-    ops = Counter(str(e.get("name", "")) for e in events if e.get("cat") == "cpu_op")
+    runtime = [e for e in events if e.get("cat") in LAUNCH_CATEGORIES]
+    ops, op_us = Counter(), Counter()
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops[str(e.get("name", ""))] += 1
+            op_us[str(e.get("name", ""))] += float(e.get("dur", 0.0))
     return {
         "device_span_us": span,
         "device_busy_us": union_us(intervals),
         "kernels": sum(1 for e in device if e.get("cat") == "kernel"),
-        "launches": sum(1 for name in runtime if name in LAUNCHES),
-        "graph_launches": sum(1 for name in runtime if name == "cudaGraphLaunch"),
-        "host_waits": sum(1 for name in runtime if name in WAITS),
+        "launches": sum(1 for e in runtime if e.get("name") in LAUNCHES),
+        "launch_us": sum(float(e.get("dur", 0.0)) for e in runtime if e.get("name") in LAUNCHES),
+        "graph_launches": sum(1 for e in runtime if e.get("name") == "cudaGraphLaunch"),
+        "host_waits": sum(1 for e in runtime if e.get("name") in WAITS),
+        "host_wait_us": sum(float(e.get("dur", 0.0)) for e in runtime if e.get("name") in WAITS),
         "cpu_ops": dict(sorted(ops.items(), key=lambda item: (-item[1], item[0]))),
+        "cpu_op_us": dict(sorted(op_us.items(), key=lambda item: (-item[1], item[0]))),
+        "annotations": annotation_times(events),
     }
+
+
+def annotation_times(events: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per name of the host's annotated ranges (an engine's own ``record_function`` spans: a step, a draft, a
+    verify): how many, their median and total length, and the median time from one's start to the next's, the
+    period at which the engine repeats it (None for a range entered once). A range the engine enters once a cycle has
+    the cycle as its period, on the process's own clock."""
+    starts: dict[str, list[float]] = {}
+    lengths: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") != HOST_ANNOTATION or "dur" not in e:
+            continue
+        name = str(e.get("name", ""))
+        starts.setdefault(name, []).append(float(e["ts"]))
+        lengths.setdefault(name, []).append(float(e["dur"]))
+    out: dict[str, dict[str, float | None]] = {}
+    for name in sorted(starts):
+        ordered = sorted(starts[name])
+        gaps = [later - earlier for earlier, later in pairwise(ordered)]
+        out[name] = {
+            "n": len(ordered),
+            "median_us": statistics.median(lengths[name]),
+            "total_us": sum(lengths[name]),
+            "median_period_us": statistics.median(gaps) if gaps else None,
+        }
+    return out
 
 
 def read_trace(path: Path) -> list[Mapping[str, Any]]:

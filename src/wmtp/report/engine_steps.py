@@ -138,6 +138,15 @@ def plugin_order(key: object) -> tuple[bool, bool, str]:
     return (not text.startswith("cycle"), not text.endswith(TRITON_KERNELS), text)
 
 
+def newest_plugin_first(rows: pd.DataFrame) -> pd.DataFrame:
+    """Windowed rows ordered by their plugin, newest first (``plugin_order``); rows of one plugin keep their order.
+    Rows without a plugin key (no ``window_anchor`` column) are returned as they are."""
+    if "window_anchor" not in rows.columns or rows.empty:
+        return rows
+    keys = _plugin_keys(rows)
+    return rows.loc[sorted(rows.index, key=lambda i: plugin_order(keys[i]))]
+
+
 def _anchors(group: pd.DataFrame, k: int) -> list[str]:
     """The plugins that measured wmtp at that k: where each set a draft forward's window ("cycle", "forward"), and by
     which kernels (``_plugin_keys``), newest first."""
@@ -643,10 +652,8 @@ def cross_engine_section(steps: pd.DataFrame | None) -> Section:
             for (name, version), at in group.groupby(["engine", "engine_version"], sort=True):
                 chosen = {}
                 for arm in CROSS_ENGINE_ARMS:
-                    rows_of = at[(at["arm"] == arm) & ((at["k"] == k) | (arm == "none"))]
-                    if "window_anchor" in rows_of.columns:  # the newest plugin that measured it
-                        keys = _plugin_keys(rows_of)
-                        rows_of = rows_of.loc[sorted(rows_of.index, key=lambda i: plugin_order(keys[i]))]
+                    # The newest plugin that measured it.
+                    rows_of = newest_plugin_first(at[(at["arm"] == arm) & ((at["k"] == k) | (arm == "none"))])
                     chosen[arm] = rows_of.iloc[0] if len(rows_of) else None
                 if chosen["mtp"] is None or chosen["wmtp"] is None:
                     continue

@@ -17,7 +17,7 @@ from wmtp.analyze import costmodel
 from wmtp.analyze.floor import step_floor_ms
 from wmtp.config import PAPER_SINK, PAPER_WINDOW
 from wmtp.report.compare import canonical_model, model_file
-from wmtp.report.engine_steps import cell_number
+from wmtp.report.engine_steps import cell_number, newest_plugin_first
 from wmtp.report.labels import context_label
 from wmtp.report.load import Section
 
@@ -45,8 +45,8 @@ def _floor(spec: costmodel.ModelSpec, context: int, k: int, arm: str, bandwidth:
 
 def _engine_step(steps: pd.DataFrame | None, model: str, k: int, context: int, arm: str) -> pd.Series | None:
     """The real engine's cycle at that model, k and context, batch 1, as vLLM runs by default (no attention options
-    of the study's own), the windowed arm at the paper's S and W with the window set once a cycle; None where that
-    was not measured."""
+    of the study's own), the windowed arm at the paper's S and W with the window set once a cycle, by the newest
+    plugin that measured it; None where that was not measured."""
     if steps is None or steps.empty:
         return None
     names = steps["model"].map(canonical_model)
@@ -57,9 +57,7 @@ def _engine_step(steps: pd.DataFrame | None, model: str, k: int, context: int, a
     if arm == "wmtp" and {"S", "W"} <= set(rows.columns):
         rows = rows[(rows["S"] == PAPER_SINK) & (rows["W"] == PAPER_WINDOW)]
         if "window_anchor" in rows.columns:
-            rows = rows[rows["window_anchor"].fillna("forward") == "cycle"]
-        if "window_kernels" in rows.columns:  # the plugin the GPU proofs passed on
-            rows = rows[rows["window_kernels"].fillna("") != "triton"]
+            rows = newest_plugin_first(rows[rows["window_anchor"].fillna("forward") == "cycle"])
     return rows.iloc[0] if len(rows) else None
 
 

@@ -11,7 +11,9 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "device" / "h200_background.sh"
 
 
-def _follow(tmp_path: Path, root: Path, done: bool) -> tuple[subprocess.CompletedProcess, Path]:
+def _follow(
+    tmp_path: Path, root: Path, done: bool, extra_env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess, Path]:
     state, out = tmp_path / "state", tmp_path / "out"
     state.mkdir(exist_ok=True)
     out.mkdir(exist_ok=True)
@@ -21,7 +23,7 @@ def _follow(tmp_path: Path, root: Path, done: bool) -> tuple[subprocess.Complete
     (state / "snakemake.log").write_text("Finished jobid: 0\n")
     if done:
         (state / "done").touch()
-    env = {**os.environ, "OUT": str(out), "WMTP_BACKGROUND_STATE": str(state)}
+    env = {**os.environ, "OUT": str(out), "WMTP_BACKGROUND_STATE": str(state), **(extra_env or {})}
     result = subprocess.run(
         ["bash", str(SCRIPT), "follow", "0"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
     )
@@ -46,6 +48,33 @@ def test_follow_packs_the_step_files_whose_names_the_way_back_refuses(tmp_path):
     with tarfile.open(out / "raw.tar.gz") as tar:
         assert "results/s/raw/rung~1/a/manifest.json" in tar.getnames()
     assert (out / "progress.log").read_text().startswith("h200_background: piece")
+
+
+def _kernel_cache(root: Path, engine: str, parts: tuple[str, ...]) -> None:
+    for part in parts:
+        folder = root / "results" / "engines" / engine / "cache" / part / "key"
+        folder.mkdir(parents=True)
+        (folder / "kernel.so").write_bytes(b"\x7fELF" + part.encode())
+    (root / "results" / "engines" / engine / "cache" / "torch_compile").mkdir()
+
+
+def test_follow_brings_back_the_kernel_caches_of_the_engine_it_ran_and_not_torch_compiles(tmp_path):
+    root = tmp_path / "tree"
+    _kernel_cache(root, "sglang", ("triton", "tvm-ffi"))
+    result, out = _follow(tmp_path, root, done=True, extra_env={"ENGINE_CACHE": "results/engines/sglang/cache"})
+    assert result.returncode == 0, result.stderr
+    with tarfile.open(out / "compile-cache.tar.gz") as tar:
+        assert {name.split("/")[0] for name in tar.getnames()} == {"triton", "tvm-ffi"}
+        assert tar.extractfile("tvm-ffi/key/kernel.so").read() == b"\x7fELFtvm-ffi"
+
+
+def test_follow_brings_back_triton_alone_where_no_sglang_kernel_was_built(tmp_path):
+    root = tmp_path / "tree"
+    _kernel_cache(root, "vllm", ("triton",))
+    result, out = _follow(tmp_path, root, done=True)
+    assert result.returncode == 0, result.stderr
+    with tarfile.open(out / "compile-cache.tar.gz") as tar:
+        assert {name.split("/")[0] for name in tar.getnames()} == {"triton"}
 
 
 def test_follow_says_the_runs_go_on_and_brings_no_step_file_before_one_is_made(tmp_path):

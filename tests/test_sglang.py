@@ -244,7 +244,8 @@ def test_serve_args_may_not_set_what_the_arm_decides():
 def test_server_env_keeps_caches_in_the_cell(tmp_path):
     env = sglang.server_env({"HF_HUB_OFFLINE": "1"}, tmp_path / "work", tmp_path / "t")
     assert env["TMPDIR"] == str(tmp_path / "t") and env["HF_HUB_OFFLINE"] == "1"
-    assert env["TRITON_CACHE_DIR"].startswith(str(tmp_path / "work"))
+    for cache in ("TRITON_CACHE_DIR", "TVM_FFI_CACHE_DIR", "XDG_CACHE_HOME"):
+        assert env[cache].startswith(str(tmp_path / "work")), cache
 
 
 def test_every_server_exports_its_metrics_once():

@@ -52,6 +52,8 @@ workflow_env() {
   # Triton's kernels beside vLLM's compile cache, which the cells keep in the engine's folder: a second server of
   # the shape starts without the first one's minutes of JIT while the machine stays up.
   export TRITON_CACHE_DIR=$PWD/$cache/triton
+  # SGLang's own JIT kernels (nvcc, through TVM-FFI) beside them, for the same reason.
+  export TVM_FFI_CACHE_DIR=$PWD/$cache/tvm-ffi
 }
 
 snakemake_run() { # snakemake_run STUDY [OPTION ...] -- TARGET ...: the workflow, as any single-GPU machine runs it
@@ -171,13 +173,17 @@ follow() {
       [ -f "$traces" ] || continue
       cp "$traces" "$OUT/traces-$(basename "$(dirname "$traces")").csv"
     done
-    # Triton's kernels alone come back (the GDN kernels' JIT is the longest part of a cold start); vLLM's
-    # torch.compile artefacts, hundreds of MiB over the pieces, stay on the machine.
-    if [ -d "$cache/triton" ]; then
-      tar czf "$OUT/compile-cache.tar.gz" -C "$cache" triton 2>/dev/null || rm -f "$OUT/compile-cache.tar.gz"
+    # Triton's kernels (the GDN kernels' JIT is the longest part of a cold start) and SGLang's JIT kernels come
+    # back; vLLM's torch.compile artefacts, hundreds of MiB over the pieces, stay on the machine.
+    kernels=()
+    for part in triton tvm-ffi; do
+      [ -d "$cache/$part" ] && kernels+=("$part")
+    done
+    if [ ${#kernels[@]} -gt 0 ]; then
+      tar czf "$OUT/compile-cache.tar.gz" -C "$cache" "${kernels[@]}" 2>/dev/null || rm -f "$OUT/compile-cache.tar.gz"
       size=$(stat -c %s "$OUT/compile-cache.tar.gz" 2>/dev/null || echo 0)
       if [ "$size" -gt "$cache_limit" ]; then
-        echo "Triton's cache is $((size / 1048576)) MiB packed, more than comes back; left on the machine" >>"$OUT/progress.log"
+        echo "The kernel caches (${kernels[*]}) are $((size / 1048576)) MiB packed, more than comes back; left on the machine" >>"$OUT/progress.log"
         rm -f "$OUT/compile-cache.tar.gz"
       fi
     fi

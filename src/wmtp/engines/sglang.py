@@ -275,6 +275,9 @@ def server_env(
     tmp = tmp_dir or work_dir / "tmp"
     env.setdefault("TMPDIR", str(tmp))
     env.setdefault("TRITON_CACHE_DIR", str(work_dir / "triton-cache"))
+    # SGLang's own JIT kernels (built with nvcc through TVM-FFI) go to ~/.cache/tvm-ffi unless told: a path under
+    # the home directory, which XDG_CACHE_HOME does not move.
+    env.setdefault("TVM_FFI_CACHE_DIR", str(work_dir / "tvm-ffi"))
     env.setdefault("XDG_CACHE_HOME", str(work_dir / "cache"))
     env.setdefault("DO_NOT_TRACK", "1")
     # Only the cell's draft decides whether the plugin windows: set empty otherwise, so that a value in the runner's

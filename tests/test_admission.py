@@ -203,6 +203,12 @@ def test_the_ring_serves_one_more_request_where_wmtp_queues(engine_python, tmp_p
         plain["steps_with_waiting"] > ring["steps_with_waiting"] or plain["preemptions"]
     )
     assert "SinkWindowSpec" in ring["pages_by_group"] and "SinkWindowSpec" not in plain["pages_by_group"]
+    # The engine's own attention layers: the checkpoint's full-attention layers and its one MTP layer.
+    layer_types = json.loads((TRAINED_CHECKPOINT / "config.json").read_text())["layer_types"]
+    full = layer_types.count("full_attention")
+    assert (plain["attention_layers"], plain["draft_attention_layers"]) == (full + 1, 1)
+    assert found["draft_kv_share"] == pytest.approx(1 / (full + 1))
+    assert 0 < found["reclaimed_fraction"] < found["draft_kv_share"]
     assert found["same_output"], found["output_check"]
     assert found["output_check"]["ring_vs_same_batches"] == "token-identical"
     assert found["verdict"] == "ring admits one more"
@@ -308,6 +314,15 @@ def test_records_of_different_proofs_are_not_combined():
         adm.combine([same, _record("wmtp", 60, 2.55, 2, ids), _record("wmtp-ring", 61, 2.8, 3, ids)])
     with pytest.raises(ValueError, match=r"missing \['wmtp, all at once'\]"):
         adm.combine([_record("wmtp", 60, 2.55, 2, ids), _record("wmtp-ring", 60, 2.8, 3, ids)])
+    # arms run in separate leases must have run one plugin
+    plugins = [_record("wmtp, all at once", 80, 3.4, 3, ids), _record("wmtp", 60, 2.55, 2, ids)]
+    plugins.append(_record("wmtp-ring", 60, 2.8, 3, ids))
+    for record, plugin in zip(plugins, ("c1ec7d015478044c", "c1ec7d015478044c", "7df2f84be143a431"), strict=True):
+        record["wmtp_plugin_sha256"] = plugin
+    with pytest.raises(ValueError, match="other wmtp_plugin_sha256"):
+        adm.combine(plugins)
+    plugins[-1]["wmtp_plugin_sha256"] = "c1ec7d015478044c"
+    assert adm.combine(plugins)["wmtp_plugin_sha256"] == "c1ec7d015478044c"
 
 
 def test_decode_steps_are_timed_per_batch_size_and_prefill_steps_left_out():

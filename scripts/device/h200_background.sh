@@ -154,6 +154,11 @@ follow() {
   local wait_s=$1 waited=0 size
   [ -n "${OUT:-}" ] || die "set OUT to the folder that comes back"
   [ -d "$state" ] || die "nothing was started on this machine (its disk was reset if the last call was > 30 s ago)"
+  # A device call ends at 600 s, and one cut short brings nothing back: leave the copies their time.
+  if [ "$wait_s" -gt 540 ]; then
+    echo "h200_background: waiting 540 s, not $wait_s: a call cut short at 600 s would bring nothing back" >&2
+    wait_s=540
+  fi
   while [ ! -f "$state/done" ] && [ "$waited" -lt "$wait_s" ]; do
     sleep 5
     waited=$((waited + 5))

@@ -19,7 +19,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -205,10 +205,19 @@ def _capacity(llm: Any) -> dict[str, Any]:
         ),
         None,
     )
+    # The engine's own attention layers (a recurrent layer's spec has no head size), the MTP head's by its prefix.
+    attention = [
+        name
+        for g in core.scheduler.kv_cache_config.kv_cache_groups
+        if hasattr(g.kv_cache_spec, "head_size")
+        for name in g.layer_names
+    ]
     return {
         "async_scheduling": bool(config.scheduler_config.async_scheduling),
         "block_size": cache.block_size,
         "kv_cache_groups": len(core.scheduler.kv_cache_config.kv_cache_groups),
+        "attention_layers": len(attention),
+        "draft_attention_layers": sum(1 for name in attention if "mtp" in name.split(".")),
         "draft_blocks_limit": getattr(draft, "max_blocks_per_request", None),
         "draft_free_lag": getattr(draft, "free_lag", None),
         "pages_by_group": "; ".join(pages),
@@ -266,13 +275,16 @@ def _serve_at_once(
     # so its label is the batch read before the previous call (one call back per batch in flight beyond the first).
     lag = llm.llm_engine.vllm_config.max_concurrent_batches - 1
     labels: list[int] = []
+    returned = time.perf_counter()
     while llm.llm_engine.has_unfinished_requests():
         labels.append(_decoding(llm) if timed is not None else 0)
-        started = time.perf_counter()
         results = llm.llm_engine.step()
+        now = time.perf_counter()
         if timed is not None and len(labels) > lag:
-            # The engine loop's own step: schedule, the forward and its drafts, the outputs.
-            timed.append((labels[-1 - lag], 1e3 * (time.perf_counter() - started)))
+            # The engine loop's period, from one step's return to the next: under async scheduling the device runs
+            # the batch in flight while this loop reads its counters, so a call alone would miss that time.
+            timed.append((labels[-1 - lag], 1e3 * (now - returned)))
+        returned = now
         for result in results:
             if result.finished:
                 done = result.outputs[0]
@@ -321,6 +333,9 @@ def run_arm(model: Path, args: argparse.Namespace, arm: str, kv_bytes: int) -> d
     makes the proof of the three records."""
     import vllm
 
+    from wmtp.measure.cell import git_revision
+    from wmtp.plugin import source_sha256
+
     _in_process()
     prompts = make_prompts(model, args)
     started = time.monotonic()
@@ -331,6 +346,9 @@ def run_arm(model: Path, args: argparse.Namespace, arm: str, kv_bytes: int) -> d
     record = {
         "arm": arm,
         "engine": {"vllm": vllm.__version__},
+        # Which code ran: the arms of one proof may run in separate leases, and must run one plugin.
+        "wmtp_revision": git_revision(),
+        "wmtp_plugin_sha256": source_sha256(),
         **_settings(args, len(prompts[0])),
         **capacity,
         "bytes_per_request": capacity["kv_cache_memory_bytes"] / capacity["max_concurrency"],
@@ -370,27 +388,36 @@ def combine(records: Sequence[dict[str, Any]], eps: float = NEAR_TIE) -> dict[st
             raise ValueError(f"arm {record['arm']} ran with other {differ} than arm wmtp: not one proof")
     if by_arm["wmtp"]["kv_cache_memory_bytes"] != by_arm["wmtp-ring"]["kv_cache_memory_bytes"]:
         raise ValueError("wmtp and wmtp-ring must run in the same KV cache memory")
-    for key in ("async_scheduling", "block_size"):
+    for key in ("async_scheduling", "block_size", "wmtp_plugin_sha256"):
         found = {arm: record.get(key) for arm, record in by_arm.items()}
         if len(set(found.values())) > 1:
             raise ValueError(f"the arms ran with other {key}: {found}")
     outputs = {arm: [Output(**o) for o in record["outputs"]] for arm, record in by_arm.items()}
     # Per arm what it measured; what is the same for all (settings, the engine's version) is said once, above.
-    shared = ("outputs", "arm", "engine", *SETTINGS)
+    shared = ("outputs", "arm", "engine", "wmtp_plugin_sha256", *SETTINGS)
     measured = {arm: {k: v for k, v in record.items() if k not in shared} for arm, record in by_arm.items()}
     check = output_check(outputs, eps)
     plain, ring = measured["wmtp"], measured["wmtp-ring"]
     return {
         **{key: first[key] for key in SETTINGS},
         "engine": first["engine"],
+        "wmtp_plugin_sha256": first.get("wmtp_plugin_sha256"),
         "kv_cache_memory_bytes": plain["kv_cache_memory_bytes"],
         "reclaimed_fraction": 1 - ring["bytes_per_request"] / plain["bytes_per_request"],
+        # What the ring could reclaim at most: the draft's share of the KV, 1 / (L_full + 1) with one MTP layer.
+        "draft_kv_share": draft_kv_share(plain),
         "arms": {"wmtp": plain, "wmtp-ring": ring},
         "same_batches": measured[SAME_BATCHES],
         "output_check": check,
         "same_output": check["equal"],
         "verdict": verdict(plain, ring),
     }
+
+
+def draft_kv_share(record: Mapping[str, Any]) -> float | None:
+    """The draft's layers over every attention layer the engine holds KV for (None in a record without them)."""
+    layers, draft = record.get("attention_layers"), record.get("draft_attention_layers")
+    return draft / layers if layers and draft is not None else None
 
 
 def run(model: Path, args: argparse.Namespace) -> dict[str, Any]:

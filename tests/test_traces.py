@@ -166,15 +166,11 @@ def test_a_trace_summary_counts_device_time_once_and_every_launch_wait_and_opera
 def test_annotated_ranges_give_their_lengths_and_the_period_at_which_the_engine_repeats_them():
     # A "draft" range every 7 ms, the last one 2 ms late; a "verify" once; the device's own annotations are not the
     # host's.
-    events = [
-        {"cat": "user_annotation", "name": "draft", "ts": 23_000.0, "dur": 3_000.0},
-        {"cat": "user_annotation", "name": "draft", "ts": 0.0, "dur": 1_000.0},
-        {"cat": "user_annotation", "name": "draft", "ts": 7_000.0, "dur": 2_000.0},
-        {"cat": "user_annotation", "name": "draft", "ts": 14_000.0, "dur": 1_000.0},
-        {"cat": "user_annotation", "name": "verify", "ts": 1_000.0, "dur": 500.0},
-        {"cat": "gpu_user_annotation", "name": "draft", "ts": 3.0, "dur": 99_999.0},
-        {"cat": "kernel", "name": "k", "ts": 0.0, "dur": 1.0},
-    ]
+    ranges = [("draft", 23_000.0, 3_000.0), ("draft", 0.0, 1_000.0), ("draft", 7_000.0, 2_000.0)]
+    ranges += [("draft", 14_000.0, 1_000.0), ("verify", 1_000.0, 500.0)]
+    events = [{"cat": "user_annotation", "name": name, "ts": ts, "dur": dur} for name, ts, dur in ranges]
+    events += [{"cat": "gpu_user_annotation", "name": "draft", "ts": 3.0, "dur": 99_999.0}]
+    events += [{"cat": "kernel", "name": "k", "ts": 0.0, "dur": 1.0}]
     times = host_device_summary(events)["annotations"]
     assert times["draft"] == {"n": 4, "median_us": 1_500.0, "total_us": 7_000.0, "median_period_us": 7_000.0}
     assert times["verify"] == {"n": 1, "median_us": 500.0, "total_us": 500.0, "median_period_us": None}

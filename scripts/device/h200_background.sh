@@ -26,9 +26,10 @@
 # The runs keep their state (pid, progress log, Snakemake's output) in /tmp/wmtp-background, or in the folder
 # $WMTP_BACKGROUND_STATE names, which start empties first: name one that holds nothing else.
 #
-# Compile caches: .gpu-inputs/compile-cache.tar.gz, when carried in, is unpacked into the engine's cache
-# (results/engines/vllm/cache, or $ENGINE_CACHE) before the first server starts: Triton's kernels, the largest part of
-# a cold start's minutes. follow packs Triton's part back when it fits what comes back.
+# Compile caches: .gpu-inputs/compile-cache.tar.gz (or $CARRIED_CACHE), when carried in, is unpacked into the
+# engine's cache (results/engines/vllm/cache, or $ENGINE_CACHE) before the first server starts: Triton's kernels,
+# the largest part of a cold start's minutes, and SGLang's JIT kernels. follow packs those two back when they fit what
+# comes back.
 set -uo pipefail
 
 state=${WMTP_BACKGROUND_STATE:-/tmp/wmtp-background} # the runs' own folder, outside every copy of the tree
@@ -37,7 +38,8 @@ state=${WMTP_BACKGROUND_STATE:-/tmp/wmtp-background} # the runs' own folder, out
 export ENGINE_DIR=${ENGINE_DIR:-/tmp/wmtp-engine}
 site=$ENGINE_DIR/site
 cache=${ENGINE_CACHE:-results/engines/vllm/cache}
-carried_cache=.gpu-inputs/compile-cache.tar.gz
+# One carried cache per engine: CARRIED_CACHE=.gpu-inputs/sglang-compile-cache.tar.gz for SGLang's.
+carried_cache=${CARRIED_CACHE:-.gpu-inputs/compile-cache.tar.gz}
 cache_limit=$((15 * 1024 * 1024)) # what one file back from the H200 may weigh, with room
 py=python3
 

@@ -8,6 +8,7 @@ metadata, which must be exactly the sink's pages and the window's (wmtp.plugin.w
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import tomllib
@@ -19,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from wmtp.plugin import ImportHook
 from wmtp.plugin import sglang as plugin
 from wmtp.plugin import sglang_hookpoints as hp
 from wmtp.plugin import stats as wstats
@@ -248,11 +250,62 @@ def test_a_method_with_other_parameters_is_refused(backend_module, monkeypatch, 
         plugin.register()
 
 
-def test_a_module_that_does_not_import_is_refused(monkeypatch, tmp_path):
+STAND_IN_BACKEND = """
+class FlashAttentionMultiStepBackend:
+    def init_forward_metadata(self, forward_batch):
+        pass
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+        pass
+"""
+
+
+@pytest.fixture
+def importable_backend(monkeypatch, tmp_path):
+    """A stand-in of SGLang's backend module that only an import loads, as in SGLang's processes; returns a function
+    that writes the module's source."""
+    site, parts = tmp_path / "site", hp.BACKEND_MODULE.split(".")
+    for depth in range(1, len(parts)):
+        site.joinpath(*parts[:depth]).mkdir(parents=True)
+        site.joinpath(*parts[:depth], "__init__.py").touch()
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the plugin's import hook goes with the test
+    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        monkeypatch.delitem(sys.modules, name)
+    yield lambda source: site.joinpath(*parts[:-1], f"{parts[-1]}.py").write_text(source)
+    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        del sys.modules[name]
+
+
+def test_register_imports_nothing_and_wraps_the_backend_when_sglang_imports_it(
+    importable_backend, monkeypatch, tmp_path
+):
+    importable_backend(STAND_IN_BACKEND)
     _configure(monkeypatch, tmp_path)
-    monkeypatch.setitem(sys.modules, hp.BACKEND_MODULE, None)  # import raises ImportError
-    with pytest.raises(hp.HookPointError, match=f"cannot import {hp.BACKEND_MODULE}"):
-        plugin.register()
+    plugin.register()
+    assert hp.BACKEND_MODULE not in sys.modules  # SGLang's main process, which never needs it, never loads it
+    cls = importlib.import_module(hp.BACKEND_MODULE).FlashAttentionMultiStepBackend
+    for name in hp.WRAPPED_METHODS:
+        assert getattr(cls.__dict__[name], "__wmtp_original__", None) is not None, name
+
+
+def test_a_backend_module_without_the_class_is_refused_as_sglang_imports_it(importable_backend, monkeypatch, tmp_path):
+    importable_backend(STAND_IN_BACKEND.replace("FlashAttentionMultiStepBackend", "SomethingElse"))
+    _configure(monkeypatch, tmp_path)
+    plugin.register()  # nothing to check until SGLang imports the module
+    with pytest.raises(hp.HookPointError, match=f"has no {hp.BACKEND_MODULE}.{hp.MULTI_STEP_CLASS}"):
+        importlib.import_module(hp.BACKEND_MODULE)
+
+
+def test_a_later_registration_windows_with_its_own_settings(importable_backend, monkeypatch, tmp_path):
+    importable_backend(STAND_IN_BACKEND)
+    _configure(monkeypatch, tmp_path, sink=8, window=32)
+    plugin.register()
+    _configure(monkeypatch, tmp_path, sink=16, window=64)
+    plugin.register()
+    [hook] = [f for f in sys.meta_path if isinstance(f, ImportHook) and hp.BACKEND_MODULE in f.patches]
+    config = hook.patches[hp.BACKEND_MODULE].keywords["config"]
+    assert (config.sink, config.window) == (16, 64)
 
 
 def test_a_tree_draft_is_refused(backend_module, monkeypatch, tmp_path):

@@ -10,11 +10,11 @@ instrument off, as in a cell):
 - ``mtp``: native MTP (NEXTN, k = 3);
 - ``wmtp``: the plugin at S = 16, W = 256;
 - ``window-off``: the plugin at S = 16, W = 1,000,000;
-- ``window-off-scheduler-only``: the same, but SGLang's plugins are loaded in this process before the window is
-  set, so that only the scheduler's process registers the plugin. In a server the plugin's ``register()`` runs in
-  the main process too (the tokenizer manager, whose clock times a request), where it imports SGLang's attention
-  backend early, before the server's arguments are read: if this arm's cycle is native MTP's and ``window-off``'s
-  is not, that import is what costs it;
+- ``window-off-backend-in-main``: the same, with SGLang's attention backend imported in this process before the
+  engine starts, as a plugin that imports it on registering would in every process SGLang loads plugins in (the
+  plugin of ``measurements/h100/sglang_tiny*`` did). In a server the main process is the tokenizer manager, whose
+  clock times a request: if this arm's cycle is longer than ``window-off``'s, that import is what cost it; the
+  plugin wraps the backend only as SGLang imports it;
 - ``mtp-again``: native MTP once more, so that the order of the arms is not read as a cost.
 
 For each, after two warm-up requests: ``REPEATS`` requests of the read-set prompt (12,288 tokens) timed on the host
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import statistics
@@ -51,13 +52,14 @@ import sglang_gpu_proofs as proofs  # the proofs' engine, prompt and request
 
 REPEATS = 5
 WINDOW_OFF = (proofs.SINK, 1_000_000)
-# Each arm's window (None: native MTP) and whether this process, the tokenizer manager's, registers the plugin too.
+# Each arm's window (None: native MTP) and whether this process, the tokenizer manager's, imports SGLang's attention
+# backend before the engine starts.
 ARMS: dict[str, tuple[tuple[int, int] | None, bool]] = {
-    "mtp": (None, True),
-    "wmtp": ((proofs.SINK, proofs.WINDOW), True),
-    "window-off": (WINDOW_OFF, True),
-    "window-off-scheduler-only": (WINDOW_OFF, False),
-    "mtp-again": (None, True),
+    "mtp": (None, False),
+    "wmtp": ((proofs.SINK, proofs.WINDOW), False),
+    "window-off": (WINDOW_OFF, False),
+    "window-off-backend-in-main": (WINDOW_OFF, True),
+    "mtp-again": (None, False),
 }
 
 
@@ -71,24 +73,22 @@ def profile_arm(name: str, ids: list[int], out_dir: Path) -> dict:
     from wmtp.plugin import sglang_hookpoints as hp
     from wmtp.plugin import stats as wstats
 
-    window, in_main_process = ARMS[name]
+    window, backend_first = ARMS[name]
     stats_dir = out_dir / "stats" / name
     stats_dir.mkdir(parents=True, exist_ok=True)
     os.environ.pop(hp.SETTINGS_ENV, None)
     os.environ[wstats.ENV] = str(stats_dir)
-    if not in_main_process:
-        from sglang.srt.plugins import load_plugins
-
-        load_plugins()  # with no window set the plugin registers nothing here, and SGLang will not load it again
     if window is not None:
         # Read by the plugin in each of SGLang's processes as it loads: set before the engine starts them.
         os.environ[hp.SETTINGS_ENV] = json.dumps({"sink": window[0], "window": window[1]})
+    if backend_first:
+        importlib.import_module(hp.BACKEND_MODULE)  # before the server's arguments are read
     started = time.monotonic()
     engine = proofs._engine()
     found: dict = {
         "window": window,
-        "plugin_in_main_process": in_main_process and window is not None,
-        # What the plugin's register() imports early; where SGLang imports it in this process anyway, the two
+        "backend_imported_first": backend_first,
+        # Whether this process holds the backend once the engine runs: where SGLang imports it here anyway, the two
         # window-off arms differ in when, not whether.
         "backend_imported_in_main_process": hp.BACKEND_MODULE in sys.modules,
         "start_s": round(time.monotonic() - started, 1),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.abc
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -50,27 +51,32 @@ def _on_import(module: ModuleType) -> None:
 class _PatchingLoader(importlib.abc.Loader):
     """Runs the real loader, then patches the module before anyone can use it."""
 
-    def __init__(self, inner: importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader, patch: Callable[[ModuleType], None]):
         self._inner = inner
+        self._patch = patch
 
     def create_module(self, spec):
         return self._inner.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._inner.exec_module(module)
-        _on_import(module)
+        self._patch(module)
 
     def __getattr__(self, name: str):  # get_source, get_code, ... for inspect and linecache
         return getattr(self._inner, name)
 
 
-class ProposerImportHook(importlib.abc.MetaPathFinder):
-    """Finds the patched modules through the other finders and wraps their loaders."""
+class ImportHook(importlib.abc.MetaPathFinder):
+    """Finds the modules it patches through the other finders and wraps their loaders."""
 
     wmtp_import_hook = True
 
+    def __init__(self, patches: Mapping[str, Callable[[ModuleType], None]]):
+        self.patches = dict(patches)
+
     def find_spec(self, fullname, path, target=None):
-        if fullname not in PATCHED_MODULES:
+        patch = self.patches.get(fullname)
+        if patch is None:
             return None
         for finder in sys.meta_path:
             if getattr(finder, "wmtp_import_hook", False) or not hasattr(finder, "find_spec"):
@@ -78,9 +84,22 @@ class ProposerImportHook(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchingLoader(spec.loader)
+                    spec.loader = _PatchingLoader(spec.loader, patch)
                 return spec
         return None
+
+
+def patch_on_import(patches: Mapping[str, Callable[[ModuleType], None]]) -> None:
+    """Patch each named module now where it is loaded, else when it is first imported: a process that never imports
+    it (an engine's API server) never loads it for the plugin's sake. One hook per set of names: a later call's
+    patches replace an earlier call's."""
+    for name, patch in patches.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            patch(module)
+    names = set(patches)
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, ImportHook) or set(f.patches) != names]
+    sys.meta_path.insert(0, ImportHook(patches))
 
 
 def register() -> None:
@@ -89,9 +108,4 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    for name in PATCHED_MODULES:
-        module = sys.modules.get(name)
-        if module is not None:
-            _on_import(module)
-    if not any(getattr(finder, "wmtp_import_hook", False) for finder in sys.meta_path):
-        sys.meta_path.insert(0, ProposerImportHook())
+    patch_on_import(dict.fromkeys(PATCHED_MODULES, _on_import))

@@ -5,8 +5,9 @@ SGLang loads it through the ``sglang.srt.plugins`` entry point (``wmtp = "wmtp.p
 the environment, ``WMTP_SGLANG_WINDOW='{"sink": 16, "window": 4096}'`` (the rules of ``wmtp.plugin.window``); without
 it ``register()`` does nothing.
 
-With it, ``register()`` wraps the two methods of SGLang's ``FlashAttentionMultiStepBackend`` that build the draft
-decode's attention metadata, one step backend per draft step: ``init_forward_metadata`` (eager) and
+With it, ``register()`` has the two methods of SGLang's ``FlashAttentionMultiStepBackend`` that build the draft
+decode's attention metadata wrapped as SGLang imports the backend's module (``wmtp.plugin.patch_on_import``, as the
+vLLM plugin patches its proposer), one step backend per draft step: ``init_forward_metadata`` (eager) and
 ``init_forward_metadata_out_graph`` (outside the CUDA graph, before each replay and at capture). After SGLang has
 built them, every step's page table, key counts and cumulative key counts are windowed in place
 (``wmtp.plugin.paged_window``): under CUDA graphs they are the buffers the captured kernels read, and nothing here
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import inspect
 import json
 import logging
@@ -29,7 +29,7 @@ import os
 import time
 from typing import Any
 
-from wmtp.plugin import paged_window, sglang_testing, testing
+from wmtp.plugin import paged_window, patch_on_import, sglang_testing, testing
 from wmtp.plugin import sglang_hookpoints as hp
 from wmtp.plugin import stats as wstats
 from wmtp.plugin import window as win
@@ -69,18 +69,23 @@ def sglang_version() -> str:
 
 
 def register() -> None:
-    """SGLang's general-plugin entry point: wraps the draft's FlashAttention metadata builds when the window is set.
+    """SGLang's general-plugin entry point: where the window is set, the draft's FlashAttention metadata builds are
+    wrapped when SGLang's attention backend module is first imported (at once where it already is). Nothing is
+    imported here: SGLang loads its plugins in every process, and its main process, which times each request, never
+    needs the backend.
 
-    Safe to call any number of times: a wrapped method is not wrapped again. Raises, naming it, when this SGLang
-    lacks what the plugin patches.
+    Safe to call any number of times: a wrapped method is not wrapped again. Raises, naming it, when the backend
+    module lacks what the plugin patches (at its import, where SGLang imports it later).
     """
     config = settings()
     if config is None:
         return
-    try:
-        module = importlib.import_module(hp.BACKEND_MODULE)
-    except ImportError as err:
-        raise _refuse(f"cannot import {hp.BACKEND_MODULE} ({err})") from err
+    patch_on_import({hp.BACKEND_MODULE: functools.partial(wrap_backend, config=config)})
+    sglang_testing.install()
+
+
+def wrap_backend(module: Any, config: win.WindowConfig) -> None:
+    """Wrap the multi-step backend's metadata builds in SGLang's attention backend module ``module``."""
     cls = getattr(module, hp.MULTI_STEP_CLASS, None)
     if cls is None:
         raise _refuse(f"has no {hp.BACKEND_MODULE}.{hp.MULTI_STEP_CLASS}")
@@ -96,7 +101,6 @@ def register() -> None:
             raise _refuse(f"has {hp.MULTI_STEP_CLASS}.{name}{have}, expected {params} first")
         setattr(cls, name, _wrap(method, config))
         wrapped += 1
-    sglang_testing.install()
     if wrapped:
         log.info(
             "wmtp: the draft's FlashAttention decode steps will be windowed: sink S=%d, window W=%d",

@@ -21,7 +21,6 @@ ones show what the windowed steps read.
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,10 +35,17 @@ POISON_SCALE = 30.0
 
 
 def install() -> None:
-    """Wrap the draft worker's ``draft`` (once) where the instrument is on; nothing otherwise."""
+    """Where the instrument is on, wrap the draft worker's ``draft`` (once) as SGLang imports its module, or at once
+    where it is loaded; nothing otherwise."""
     if testing._dir() is None:
         return
-    cls = getattr(importlib.import_module(DRAFT_WORKER_MODULE), DRAFT_WORKER_CLASS)
+    from wmtp.plugin import patch_on_import
+
+    patch_on_import({DRAFT_WORKER_MODULE: _wrap_worker})
+
+
+def _wrap_worker(module: Any) -> None:
+    cls = getattr(module, DRAFT_WORKER_CLASS)
     method = cls.__dict__[DRAFT_METHOD]
     if getattr(method, _ORIGINAL, None) is None:
         setattr(cls, DRAFT_METHOD, _wrap(method))

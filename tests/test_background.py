@@ -12,18 +12,21 @@ SCRIPT = REPO / "scripts" / "device" / "h200_background.sh"
 
 
 def _follow(
-    tmp_path: Path, root: Path, done: bool, extra_env: dict[str, str] | None = None
+    tmp_path: Path, root: Path, done: bool, cache: str | None = None
 ) -> tuple[subprocess.CompletedProcess, Path]:
     state, out = tmp_path / "state", tmp_path / "out"
     state.mkdir(exist_ok=True)
     out.mkdir(exist_ok=True)
     (state / "root").write_text(f"{root}\n")
+    if cache:  # as start records the engine's cache
+        (state / "cache").write_text(f"{cache}\n")
     (state / "progress.log").write_text("h200_background: piece: …\n")
     (state / "targets").write_text("results/s/raw/rung~1/a/manifest.json\n")
     (state / "snakemake.log").write_text("Finished jobid: 0\n")
     if done:
         (state / "done").touch()
-    env = {**os.environ, "OUT": str(out), "WMTP_BACKGROUND_STATE": str(state), **(extra_env or {})}
+    env = {**os.environ, "OUT": str(out), "WMTP_BACKGROUND_STATE": str(state)}
+    env.pop("ENGINE_CACHE", None)
     result = subprocess.run(
         ["bash", str(SCRIPT), "follow", "0"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
     )
@@ -50,27 +53,32 @@ def test_follow_packs_the_step_files_whose_names_the_way_back_refuses(tmp_path):
     assert (out / "progress.log").read_text().startswith("h200_background: piece")
 
 
-def _kernel_cache(root: Path, engine: str, parts: tuple[str, ...]) -> None:
-    for part in parts:
-        folder = root / "results" / "engines" / engine / "cache" / part / "key"
-        folder.mkdir(parents=True)
-        (folder / "kernel.so").write_bytes(b"\x7fELF" + part.encode())
-    (root / "results" / "engines" / engine / "cache" / "torch_compile").mkdir()
+def _kernel(folder: Path, name: str) -> None:
+    (folder / "key").mkdir(parents=True)
+    (folder / "key" / "kernel.so").write_bytes(b"\x7fELF" + name.encode())
 
 
-def test_follow_brings_back_the_kernel_caches_of_the_engine_it_ran_and_not_torch_compiles(tmp_path):
+def test_follow_brings_back_the_kernels_an_sglang_server_caches_and_not_torch_compiles(tmp_path):
+    from wmtp.engines import sglang
+
     root = tmp_path / "tree"
-    _kernel_cache(root, "sglang", ("triton", "tvm-ffi"))
-    result, out = _follow(tmp_path, root, done=True, extra_env={"ENGINE_CACHE": "results/engines/sglang/cache"})
+    cache = "results/engines/sglang/cache"
+    # Where an SGLang server of a cell keeps its kernels, its cache folder being the engine's.
+    env = sglang.server_env({}, root / cache, tmp_path / "t")
+    for variable in ("TRITON_CACHE_DIR", "TVM_FFI_CACHE_DIR"):
+        _kernel(Path(env[variable]), variable)
+    (root / cache / "torch_compile").mkdir()
+    result, out = _follow(tmp_path, root, done=True, cache=cache)
     assert result.returncode == 0, result.stderr
     with tarfile.open(out / "compile-cache.tar.gz") as tar:
-        assert {name.split("/")[0] for name in tar.getnames()} == {"triton", "tvm-ffi"}
-        assert tar.extractfile("tvm-ffi/key/kernel.so").read() == b"\x7fELFtvm-ffi"
+        names = tar.getnames()
+        assert {name.split("/")[0] for name in names} == {"triton", "tvm-ffi"}
+        assert tar.extractfile("tvm-ffi/key/kernel.so").read() == b"\x7fELFTVM_FFI_CACHE_DIR"
 
 
 def test_follow_brings_back_triton_alone_where_no_sglang_kernel_was_built(tmp_path):
     root = tmp_path / "tree"
-    _kernel_cache(root, "vllm", ("triton",))
+    _kernel(root / "results" / "engines" / "vllm" / "cache" / "triton", "triton")
     result, out = _follow(tmp_path, root, done=True)
     assert result.returncode == 0, result.stderr
     with tarfile.open(out / "compile-cache.tar.gz") as tar:

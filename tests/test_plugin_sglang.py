@@ -107,6 +107,7 @@ class FlashAttentionMultiStepBackend:
 @pytest.fixture
 def backend_module(monkeypatch):
     """A fresh stand-in of SGLang's backend module where the plugin imports it."""
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the plugin's import hooks go with the test
     module = types.ModuleType(hp.BACKEND_MODULE)
     # A copy of the class, its methods its own as in SGLang: each test wraps a fresh one.
     own = {k: v for k, v in vars(FlashAttentionMultiStepBackend).items() if k not in ("__dict__", "__weakref__")}

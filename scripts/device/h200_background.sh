@@ -4,7 +4,7 @@
 # A device call lasts at most 10 minutes and the machine keeps its disk only while calls follow each other within
 # about 30 s. So one call starts the runs in the background and returns, and each later call follows them for a
 # while and brings back what is there so far: the progress log, Snakemake's output, the raw files packed afresh, the
-# step files once made (packed), Triton's compile cache. A piece cut short by the lease's end costs only itself; every
+# step files once made (packed), the kernel caches. A piece cut short by the lease's end costs only itself; every
 # finished piece's raw files are in each call's $OUT.
 #
 # Runs ON the H200, from the repository root, after scripts/device/engine_install.sh installed the carried vLLM and
@@ -103,6 +103,7 @@ start() {
   # A copy: the next call's fresh working tree must not change the script under a running bash.
   cp "$0" "$state/background.sh"
   pwd >"$state/root"
+  echo "$cache" >"$state/cache" # where the servers keep their kernels: follow packs them from there
   local deadline=$(($(date +%s) + last_start))
   say "starting $(wc -l <"$state/targets") piece(s) of $study; none starts after $(date -u -d "@$deadline" +%H:%M:%S)"
   setsid nohup bash "$state/background.sh" _run "$deadline" "$study" </dev/null >>"$state/snakemake.log" 2>&1 &
@@ -170,6 +171,7 @@ follow() {
   # The runs write where they started, which need not be this call's copy of the tree.
   (
     cd "$(cat "$state/root")" || exit 1
+    cache=$(cat "$state/cache" 2>/dev/null || echo "$cache")
     mapfile -t raw < <(find results -mindepth 2 -maxdepth 2 -name raw -type d 2>/dev/null | sort)
     [ ${#raw[@]} -eq 0 ] || tar czf "$OUT/raw.tar.gz" "${raw[@]}"
     # Packed, not copied: a step file's name holds a "~", which the way back from the H200 refuses.
@@ -181,19 +183,21 @@ follow() {
       cp "$traces" "$OUT/traces-$(basename "$(dirname "$traces")").csv"
     done
     # Triton's kernels (the GDN kernels' JIT is the longest part of a cold start) and SGLang's JIT kernels come
-    # back; vLLM's torch.compile artefacts, hundreds of MiB over the pieces, stay on the machine.
+    # back, as much of them as fits, Triton's first; vLLM's torch.compile artefacts, hundreds of MiB over the
+    # pieces, stay on the machine.
     kernels=()
     for part in triton tvm-ffi; do
-      [ -d "$cache/$part" ] && kernels+=("$part")
-    done
-    if [ ${#kernels[@]} -gt 0 ]; then
-      tar czf "$OUT/compile-cache.tar.gz" -C "$cache" "${kernels[@]}" 2>/dev/null || rm -f "$OUT/compile-cache.tar.gz"
-      size=$(stat -c %s "$OUT/compile-cache.tar.gz" 2>/dev/null || echo 0)
-      if [ "$size" -gt "$cache_limit" ]; then
-        echo "The kernel caches (${kernels[*]}) are $((size / 1048576)) MiB packed, more than comes back; left on the machine" >>"$OUT/progress.log"
-        rm -f "$OUT/compile-cache.tar.gz"
+      [ -d "$cache/$part" ] || continue
+      tar czf "$OUT/compile-cache.next.tar.gz" -C "$cache" "${kernels[@]}" "$part" 2>/dev/null
+      size=$(stat -c %s "$OUT/compile-cache.next.tar.gz" 2>/dev/null || echo 0)
+      if [ "$size" -gt 0 ] && [ "$size" -le "$cache_limit" ]; then
+        kernels+=("$part")
+        mv "$OUT/compile-cache.next.tar.gz" "$OUT/compile-cache.tar.gz"
+      else
+        echo "kernel cache $part: $((size / 1048576)) MiB packed with ${kernels[*]:-nothing else}, more than comes back; left on the machine" >>"$OUT/progress.log"
+        rm -f "$OUT/compile-cache.next.tar.gz"
       fi
-    fi
+    done
   )
   echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/load.txt"
   tail -n 8 "$state/progress.log" 2>/dev/null

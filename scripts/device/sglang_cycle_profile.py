@@ -93,6 +93,9 @@ def profile_arm(name: str, ids: list[int], out_dir: Path) -> dict:
         "backend_imported_in_main_process": hp.BACKEND_MODULE in sys.modules,
         "start_s": round(time.monotonic() - started, 1),
     }
+    import torch
+
+    found["gpu"] = torch.cuda.get_device_name(0)
     for _ in range(2):
         proofs._generate(engine, ids)
     walls, answers = [], []
@@ -141,13 +144,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_arms(arms: list[str], prompts: Path, out: Path) -> int:
-    """Each arm in a fresh process, one after the other; the summary written after each."""
-    import sglang
-    import torch
+    """Each arm in a fresh process, one after the other; the summary written after each. This process touches no
+    GPU: it would hold a CUDA context beside every arm's engine."""
+    from importlib.metadata import version
 
     (out / "arms").mkdir(parents=True, exist_ok=True)
     found: dict = {
-        "engine": {"sglang": sglang.__version__, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)},
+        "engine": {"sglang": version("sglang"), "torch": version("torch")},
         "load_average": os.getloadavg(),
         "arms": {},
     }

@@ -274,7 +274,8 @@ def server_env(
     env = dict(engine_env)
     tmp = tmp_dir or work_dir / "tmp"
     env.setdefault("TMPDIR", str(tmp))
-    env.setdefault("TRITON_CACHE_DIR", str(work_dir / "triton-cache"))
+    # The same folder names as the H200 runner's kernel caches (scripts/device/h200_background.sh), which it carries.
+    env.setdefault("TRITON_CACHE_DIR", str(work_dir / "triton"))
     # SGLang's own JIT kernels (built with nvcc through TVM-FFI) go to ~/.cache/tvm-ffi unless told: a path under
     # the home directory, which XDG_CACHE_HOME does not move.
     env.setdefault("TVM_FFI_CACHE_DIR", str(work_dir / "tvm-ffi"))
@@ -292,7 +293,7 @@ def server_env(
 
 def verify_windowed(server_env: Mapping[str, str], cell: Any, protocol: Any) -> dict[str, Any]:
     """A cell the SGLang plugin windowed: its counters; raises ``WindowNotApplied`` when the window never ran
-    (SGLang only logs a plugin that failed, and then serves plain MTP)."""
+    (SGLang only logs a plugin whose registration failed, and then serves plain MTP)."""
     if not server_env.get(sglang_hookpoints.SETTINGS_ENV):
         return {}
     return plugin_stats.cell_record(server_env.get(plugin_stats.ENV), cell, max(protocol.rungs))
@@ -516,7 +517,7 @@ class SGLangAdapter(EngineAdapter):
     request_extra = REQUEST_EXTRA
     token_request_fields = TOKEN_REQUEST_FIELDS
     finished_requests_counter = FINISHED_REQUESTS
-    cache_env = ("TRITON_CACHE_DIR", "XDG_CACHE_HOME")
+    cache_env = ("TRITON_CACHE_DIR", "TVM_FFI_CACHE_DIR", "XDG_CACHE_HOME")
 
     def serve_argv(self, request: ServeRequest) -> list[str]:
         return serve_argv(request)

@@ -13,7 +13,8 @@ built them, every step's page table, key counts and cumulative key counts are wi
 (``wmtp.plugin.paged_window``): under CUDA graphs they are the buffers the captured kernels read, and nothing here
 waits for the device. The target verifies with full context, so the output is unchanged.
 
-SGLang only logs what a plugin raises, and a server whose plugin failed serves plain MTP: what the window did is
+SGLang only logs what ``register()`` raises (bad settings), and such a server serves plain MTP; a backend that lacks
+what the plugin wraps raises as SGLang imports it, which stops the scheduler. Either way what the window did is
 counted (``wmtp.plugin.stats``) so that a cell can tell. The names relied on are in ``wmtp.plugin.sglang_hookpoints``.
 The proofs' instrument (``wmtp.plugin.sglang_testing``) is inert unless ``WMTP_PLUGIN_TEST_DIR`` is set.
 """

@@ -157,9 +157,10 @@ def run_arms(arms: list[str], prompts: Path, out: Path) -> int:
     answers = {}
     for name in arms:
         started = time.monotonic()
+        result = out / "arms" / f"{name}.json"
+        result.unlink(missing_ok=True)  # an earlier run's record is never read as this one's
         command = [sys.executable, __file__, "--prompts", str(prompts), "--out", str(out), "--arms", name]
         child = subprocess.run([*command, "--in-this-process"], check=False)
-        result = out / "arms" / f"{name}.json"
         if child.returncode != 0 or not result.exists():
             found["arms"][name] = {"error": f"exit status {child.returncode}"}
         else:

@@ -24,7 +24,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from wmtp.plugin import testing
+from wmtp.plugin import patch_on_import, testing
 from wmtp.plugin import window as win
 
 DRAFT_WORKER_MODULE = "sglang.srt.speculative.eagle_worker_v2"
@@ -39,8 +39,6 @@ def install() -> None:
     where it is loaded; nothing otherwise."""
     if testing._dir() is None:
         return
-    from wmtp.plugin import patch_on_import
-
     patch_on_import({DRAFT_WORKER_MODULE: _wrap_worker})
 
 

@@ -598,6 +598,21 @@ def _engines(random_model: Path, zero_model: Path) -> list[dict]:
                 "requests": requests,
             }
         )
+    # The ring gives the draft's blocks behind the window back to the pool, which hands them to the next allocation
+    # (the target's, as the prefill's chunks go on): its read set under the same poison.
+    engines.append(
+        {
+            "name": "ring",
+            "arm": "wmtp",
+            "ring": True,
+            "window": WINDOWS[0],
+            "model": str(random_model),
+            "requests": [
+                {"length": POISON_LENGTH, "tag": f"ring readset {poisoned}", "window": WINDOWS[0], "poison": poison}
+                for poisoned, poison in ((False, None), (True, WINDOWS[0]))
+            ],
+        }
+    )
     for window in WINDOWS[:2]:
         engines.append(
             {
@@ -859,6 +874,29 @@ def test_windowed_draft_reads_nothing_outside_sink_and_window(engines):
 
 
 @pytest.mark.engine
+def test_the_ring_draft_reads_none_of_the_blocks_it_gave_back(engines):
+    """Poison outside sink ∪ window under the ring: what it gave back and nobody holds is poisoned and unread; what
+    the pool already handed to another owner (the worker's block table still names it) is spared, or the poison
+    would land in that owner's KV."""
+    records, outputs, design = engines["records"], engines["outputs"], WINDOWS[0]
+    clean = _proposals(records["ring readset False"])
+    dirty = _proposals(records["ring readset True"])
+    poisons = [e for e in records["ring readset True"] if e["kind"] == "poison"]
+    frees = [e for e in records["ring readset True"] if e["kind"] == "free"]
+    assert frees, "the ring gave nothing back"
+    poisoned, spared, free = (sum(e[key] for e in poisons) for key in ("slots", "spared", "free"))
+    # Poison where a draft reading a given-back block would meet it, and the pool's reuse seen and spared.
+    assert free > 0 and spared > 0, (poisoned, spared, free)
+    assert len(clean) == len(dirty) > 0 and clean == dirty, "the ring's draft read a block it gave back"
+    assert outputs[("ring", "ring readset True")]["ids"] == outputs[("ring", "ring readset False")]["ids"]
+    # The same read set as wmtp's at the design point: the same proposals.
+    assert clean == _proposals(records[f"readset {design} False"])
+    print(
+        f"ring read set: {poisoned} slots poisoned, {spared} spared (reused), {len(clean)} proposals", file=sys.stderr
+    )
+
+
+@pytest.mark.engine
 def test_windowed_draft_reads_its_sink_and_its_window(engines):
     """Poison written through the backend's cache writer at the first S or the last W token positions."""
     records, outputs, design = engines["records"], engines["outputs"], WINDOWS[0]
@@ -1017,7 +1055,7 @@ def test_server_loads_plugin_logs_once_and_leaves_nothing(server_run, engines):
 
     assert not group_alive(server_run["pgid"]), "the server's process group outlived the test"
     # In process: each windowed engine logs once; none and mtp stay silent and record nothing.
-    assert engines["log"].count(ACTIVE_LINE) == len(WINDOWS) + 3  # and "off"
+    assert engines["log"].count(ACTIVE_LINE) == len(WINDOWS) + 4  # zero twice, "off" and the ring
     assert not [tag for tag in engines["records"] if tag.startswith(("none", "mtp"))]
     # A configuration the plugin cannot honour stops the engine at start-up, naming the setting.
     refusal = engines["timings"]["refused"]["error"]

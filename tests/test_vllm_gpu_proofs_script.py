@@ -42,16 +42,28 @@ def _frees(first: int = 1, last: int = 30) -> list[dict]:
     ]  # fmt: skip
 
 
-def _records(path: Path, drafts: dict[str, list], lines: list[dict] | None = None) -> Path:
+def _poison(free: int = 96, spared: int = 192) -> dict:
+    """The instrument's record of one poisoning under the ring: slots written, of them in free blocks, and spared."""
+    return {"kind": "poison", "tag": "ring poison outside", "region": "outside", "slots": free, "free": free,
+            "spared": spared}  # fmt: skip
+
+
+def _records(path: Path, drafts: dict[str, list], lines: list[dict] | None = None, poison: dict | None = None) -> Path:
     written = [{"kind": "propose", "tag": tag, "draft": d} for tag, each in drafts.items() for d in each]
     written += _frees() if lines is None else lines
+    written.append(poison or _poison())
     path.write_text("".join(json.dumps(line) + "\n" for line in written))
     return path
 
 
-def _outputs(ring_ids: list[int]) -> dict:
+def _outputs(ring_ids: list[int], poisoned_ids: list[int] | None = None) -> dict:
     answer = {"ids": [1, 2, 3], "gaps": [1.0, 1.0, 1.0]}
-    return {"mtp code 4096": answer, "wmtp-ring code 4096": {**answer, "ids": ring_ids}}
+    return {
+        "mtp code 4096": answer,
+        "wmtp-ring code 4096": {**answer, "ids": ring_ids},
+        "read set ring clean": {**answer, "ids": [7, 8]},
+        "read set ring poison outside": {**answer, "ids": poisoned_ids or [7, 8]},
+    }
 
 
 def test_the_ring_passes_where_it_drafts_as_wmtp_and_its_freed_blocks_are_unread(tmp_path):
@@ -67,6 +79,7 @@ def test_the_ring_passes_where_it_drafts_as_wmtp_and_its_freed_blocks_are_unread
     script._ring_proofs({"code 4096": []}, _outputs([1, 2, 3]), _records(tmp_path / "r.jsonl", drafts), proofs, found)
     assert proofs and all(proofs.values()), proofs
     assert found["ring_read_set"]["ring clean"] == 1
+    assert found["ring_poison"] == {"slots": 96, "free": 96, "spared": 192}
     assert found["ring_frees"] == {
         "frees": 3, "blocks_given_back": 3 * 29, "not_after_the_sink": 0, "into_a_read_window": 0,
     }  # fmt: skip
@@ -92,6 +105,16 @@ def test_each_ring_proof_fails_on_its_own_evidence(tmp_path):
         records = _records(tmp_path / f"{len(failing)}.jsonl", {**base, **change})
         script._ring_proofs({"code 4096": []}, _outputs([1, 2, 3]), records, proofs, {})
         assert [name for name, ok in proofs.items() if not ok] == [failing]
+    # Unchanged drafts prove nothing where no poison reached a block the ring gave back and the pool holds free.
+    proofs = {}
+    records = _records(tmp_path / "spared.jsonl", base, poison=_poison(free=0))
+    script._ring_proofs({"code 4096": []}, _outputs([1, 2, 3]), records, proofs, {})
+    assert [name for name, ok in proofs.items() if not ok] == ["ring read set: freed blocks unread"]
+    # Poison that reached the target's KV (a reused block written through the draft's stale table) moves the output.
+    proofs = {}
+    records = _records(tmp_path / "target.jsonl", base)
+    script._ring_proofs({"code 4096": []}, _outputs([1, 2, 3], poisoned_ids=[7, 9]), records, proofs, {})
+    assert [name for name, ok in proofs.items() if not ok] == ["ring read set: the poison left the target alone"]
     gone = "ring read set: what it gave back is gone"
     for name, lines in {
         "nothing freed": [_build("ring clean", 3840)],

@@ -178,7 +178,17 @@ def _ring_proofs(prompts: dict, outputs: dict, records: Path, proofs: dict, foun
     found["ring_read_set"] = {tag: len(d) for tag, d in drafts.items()}
     every = all(drafts.values())
     proofs["ring read set: drafts as wmtp's"] = every and drafts["ring clean"] == drafts["clean"]
-    proofs["ring read set: freed blocks unread"] = every and drafts["ring poison outside"] == drafts["ring clean"]
+    # The instrument poisons what the ring gave back and the pool holds free, and spares what the pool has already
+    # handed to another owner (the target's KV, as the prefill's chunks go on).
+    poisons = [line for line in _lines(records) if line.get("kind") == "poison" and line.get("tag") in RING_TAGS]
+    found["ring_poison"] = {key: sum(p.get(key, 0) for p in poisons) for key in ("slots", "free", "spared")}
+    proofs["ring read set: freed blocks unread"] = (
+        every and found["ring_poison"]["free"] > 0 and drafts["ring poison outside"] == drafts["ring clean"]
+    )
+    clean, poisoned = outputs["read set ring clean"], outputs["read set ring poison outside"]
+    proofs["ring read set: the poison left the target alone"] = "ids" in clean and clean.get("ids") == poisoned.get(
+        "ids"
+    )
     frees = ring_frees([line for line in _lines(records) if line.get("tag") in RING_TAGS], SINK, WINDOW)
     found["ring_frees"] = frees
     proofs["ring read set: what it gave back is gone"] = (

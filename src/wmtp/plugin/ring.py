@@ -106,6 +106,7 @@ class SinkWindowManager(SingleTypeKVCacheManager):
         self.sink = kv_cache_spec.sink
         self.window = kv_cache_spec.window
         self.free_lag = kv_cache_spec.free_lag
+        testing.observe_ring(self)
         log.info(
             "wmtp: ring: the draft layer's KV cache group keeps sink S=%d and window W=%d, at most %d blocks of "
             "%d tokens per request; KV cache pool %d blocks",

@@ -8,7 +8,10 @@ The engine tests (tests/test_plugin_vllm.py) use them to keep server starts few 
   before each draft forward, the draft layer's KV is overwritten with large random values, written
   through the attention backend's own cache-write path (``do_kv_cache_update``) at the slots of
   ``R = "outside"`` (default): the blocks the plugin drops for (S', W') (for a later forward of a decode cycle,
-  those its first forward dropped, as the plugin keeps them), a draft that reads them changes;
+  those its first forward dropped, as the plugin keeps them), a draft that reads them changes; under the ring,
+  a dropped block it gave back and the pool handed to another owner is spared (the worker's block table still
+  names it, but its memory is now that owner's KV or state: poisoning it would move the target, not the draft),
+  and the record counts the slots spared and those poisoned in blocks the pool holds free;
   ``R = "sink"``: the first S' tokens; ``R = "window"``: the W' tokens before the forward's first query
   (both chosen by token position alone, so a window that failed to read them would show);
   ``"skip_window": true`` makes the hooked build hand the metadata through unwindowed (a hook that
@@ -36,6 +39,7 @@ ENV = "WMTP_PLUGIN_TEST_DIR"
 _control: dict[str, Any] = {}
 _control_stamp: tuple[int, int, int] | None = None
 _cycle_start: tuple[list[int], list[int]] = ([], [])  # the current cycle's first forward: seq_lens, query_lens
+_ring_manager: Any = None  # the ring's KV cache manager of this process's engine, when the ring runs
 
 
 def _dir() -> Path | None:
@@ -82,8 +86,10 @@ def config(default: win.WindowConfig) -> win.WindowConfig:
 
 def install(proposer: Any) -> None:
     """Record the draft tokens of every propose() call of this proposer."""
+    global _ring_manager
     if _dir() is None:
         return
+    _ring_manager = None  # a new engine; its ring, if any, registers when its KV cache manager starts
     original = proposer.propose
 
     def propose(*args, **kwargs):
@@ -92,6 +98,25 @@ def install(proposer: Any) -> None:
         return draft
 
     proposer.propose = propose
+
+
+def observe_ring(manager: Any) -> None:
+    """Know the ring's KV cache manager, whose pool says who owns each block the poison would write."""
+    global _ring_manager
+    if _dir() is not None:
+        _ring_manager = manager
+
+
+def _ring_ownership(block_ids: set[int]) -> tuple[set[int], set[int]]:
+    """Of these block ids, those the pool has handed to an owner other than the ring's draft group, and those it
+    holds free (given back, not yet handed out); both empty without the ring."""
+    manager = _ring_manager
+    if manager is None:
+        return set(), set()
+    held = {block.block_id for blocks in manager.req_to_blocks.values() for block in blocks}
+    blocks = manager.block_pool.blocks
+    free = {b for b in block_ids if blocks[b].ref_cnt == 0}
+    return {b for b in block_ids - free if b not in held}, free
 
 
 def observe_free(
@@ -212,12 +237,17 @@ def _poison(proposer: Any, full: Any, spans: list[tuple[int, int]], block_size: 
     import torch
 
     table = full.block_table_tensor
-    slots = [
-        int(table[r, position // block_size]) * block_size + position % block_size
+    positions = [
+        (int(table[r, p // block_size]), p % block_size)
         for r, (start, end) in enumerate(spans)
-        for position in range(start, end)
+        for p in range(start, end)
     ]
+    others, free = _ring_ownership({block for block, _ in positions}) if region == "outside" else (set(), set())
+    slots = [block * block_size + offset for block, offset in positions if block not in others]
+    counts = {"spared": len(positions) - len(slots), "free": sum(block in free for block, _ in positions)}
     if not slots:
+        if counts["spared"]:
+            _record({"kind": "poison", "region": region, "spans": spans, "slots": 0, **counts})
         return
     context = proposer.vllm_config.compilation_config.static_forward_context
     generator = torch.Generator().manual_seed(0)
@@ -230,4 +260,4 @@ def _poison(proposer: Any, full: Any, spans: list[tuple[int, int]], block_size: 
             dtype = proposer.vllm_config.model_config.dtype  # what the layer hands its cache writer
             key, value = ((torch.randn(shape, generator=generator) * 30).to(kv.device, dtype) for _ in range(2))
             layer.impl.do_kv_cache_update(layer, key, value, kv, slot_mapping)
-    _record({"kind": "poison", "region": region, "spans": spans, "slots": len(slots)})
+    _record({"kind": "poison", "region": region, "spans": spans, "slots": len(slots), **counts})

@@ -7,6 +7,7 @@
 # Carried in: .gpu-inputs/train (train_course.sh's inputs) and .gpu-inputs/proofs/prompts.json
 # (`python scripts/device/vllm_gpu_proofs.py prompts --out .gpu-inputs/proofs/prompts.json`, run here).
 # Usage, from the repository root: OUT=/path/to/out bash scripts/device/gpu_proofs.sh [--no-course] [--ring]
+# (with WMTP_REVISION=<commit> where the copy of the tree carries a stale history: the record names that commit)
 # --no-course runs the proofs alone (about 5.5 minutes of the H200), without .gpu-inputs/train; --ring serves and
 # proves the ring as well (a third engine).
 # Writes to $OUT: cpu.txt, course-avx2.json, course-default.json (the course), gpu_proofs.json (the proofs; the

@@ -148,6 +148,24 @@ def test_the_tuned_h200_study_serves_its_attention_options_and_its_step_file_kee
     assert "results/h200-vllm-tuned/steps/qwen3.6-35b-a3b~vllm-tuned.csv" in out.stdout
 
 
+def test_the_h100_study_serves_the_35b_at_128k_under_a_name_of_its_own(tmp_path):
+    """The 35B's weights leave an H100 room for 128K, not 1M: the model is served at 128K plus the output and the
+    draft's tokens, under a name that keeps its step file apart from the H200's, every arm and the window-off control
+    in three servers."""
+    from wmtp.config import load_study
+
+    study = load_study(REPO / "config" / "studies" / "h100-vllm.yaml")
+    (model,) = study.models
+    rung = max(study.protocol.rungs)
+    assert rung + study.protocol.output_tokens + 3 <= model.max_model_len < 2 * rung
+    assert model.name != load_study(REPO / "config" / "studies" / "h200-vllm.yaml").models[0].name
+    out = run("-n", "--configfile", "config/studies/h100-vllm.yaml", *scratch_dirs(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    jobs = job_counts(out.stdout)
+    assert jobs["dummy_model"] == 1 and jobs["piece"] == 10 and jobs["step_table"] == 1
+    assert "results/h100-vllm/steps/qwen3.6-35b-a3b-128k~vllm.csv" in out.stdout
+
+
 def test_the_float32_state_study_serves_the_35b_with_its_checkpoints_state_dtype_under_a_name_of_its_own(tmp_path):
     """vLLM 0.24 keeps a Qwen3-Next's recurrent state in bf16 unless told: every server of this study is told float32,
     the state the facts file gives, and its step file is its own, never h200-vllm's."""

@@ -109,11 +109,13 @@ def observe_ring(manager: Any) -> None:
 
 def _ring_ownership(block_ids: set[int]) -> tuple[set[int], set[int]]:
     """Of these block ids, those the pool has handed to an owner other than the ring's draft group, and those it
-    holds free (given back, not yet handed out); both empty without the ring."""
+    holds free (given back, not yet handed out); both empty without the ring. The draft group's blocks count as the
+    draft's whichever request holds them: the proofs that poison run one request at a time."""
     manager = _ring_manager
     if manager is None:
         return set(), set()
-    held = {block.block_id for blocks in manager.req_to_blocks.values() for block in blocks}
+    # A snapshot: under async scheduling the scheduler may change the map while a draft forward is being built.
+    held = {block.block_id for blocks in list(manager.req_to_blocks.values()) for block in list(blocks)}
     blocks = manager.block_pool.blocks
     free = {b for b in block_ids if blocks[b].ref_cnt == 0}
     return {b for b in block_ids - free if b not in held}, free

@@ -150,8 +150,8 @@ def test_the_tuned_h200_study_serves_its_attention_options_and_its_step_file_kee
 
 def test_the_h100_study_serves_the_35b_at_128k_under_a_name_of_its_own(tmp_path):
     """The 35B's weights leave an H100 room for 128K, not 1M: the model is served at 128K plus the output and the
-    draft's tokens, under a name that keeps its step file apart from the H200's, every arm and the window-off control
-    in three servers."""
+    draft's tokens, under a name that keeps its step file apart from the H200's: every arm in three servers, the
+    window-off control in one."""
     from wmtp.config import load_study
 
     study = load_study(REPO / "config" / "studies" / "h100-vllm.yaml")

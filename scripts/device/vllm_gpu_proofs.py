@@ -26,8 +26,9 @@ then wmtp (S = 16, W = 256) with the plugin's test instrument (wmtp.plugin.testi
 
 With ``--ring`` it serves the ring (wmtp-ring, the draft's KV kept to sink + window, the rest given back to the
 pool) as a third engine and proves it too: lossless against MTP; on the read-set prompt it proposes exactly what
-wmtp proposes; poisoned where its freed blocks were (the draft's table points there at vLLM's null block, or at a
-block another request now holds, were a freed one still listed) it proposes what it proposes clean; and what it
+wmtp proposes; poisoned where the blocks it gave back and the pool holds free are (the worker's table still names
+them; a block the pool has handed out again is spared, as its new owner's KV), it proposes what it proposes clean,
+some poison having landed in such blocks, and the target answers as it does clean; and what it
 gave back is gone: its KV cache manager gave blocks back to the pool (the instrument records each free in the
 engine core, where it happens; the worker's block table keeps the freed ids), every free starting right after the
 sink and none reaching a block the next draft forward reads. Every engine runs with a token budget of
@@ -186,9 +187,8 @@ def _ring_proofs(prompts: dict, outputs: dict, records: Path, proofs: dict, foun
         every and found["ring_poison"]["free"] > 0 and drafts["ring poison outside"] == drafts["ring clean"]
     )
     clean, poisoned = outputs["read set ring clean"], outputs["read set ring poison outside"]
-    proofs["ring read set: the poison left the target alone"] = "ids" in clean and clean.get("ids") == poisoned.get(
-        "ids"
-    )
+    target_unmoved = "ids" in clean and clean["ids"] == poisoned.get("ids")
+    proofs["ring read set: the poison left the target alone"] = target_unmoved
     frees = ring_frees([line for line in _lines(records) if line.get("tag") in RING_TAGS], SINK, WINDOW)
     found["ring_frees"] = frees
     proofs["ring read set: what it gave back is gone"] = (

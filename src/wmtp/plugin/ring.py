@@ -13,10 +13,12 @@ one manager) with the target's full-attention layers. With ``"ring": true`` the 
 - the spec's peak per-request usage is bounded, so vLLM sizes the pool and counts the KV capacity in tokens with
   the draft's bounded share instead of a full-context share.
 
-Freed block ids stay in the worker's block table (vLLM's sliding-window groups do the same) and may already
-hold another request's KV; the windowed copy of the draft's metadata never reads them, because the freed range
-is a subset of the dropped range (``freed_blocks``). Imported only inside vLLM processes: by ``install`` from the
-proposer, and by unpickling a ``SinkWindowSpec`` in the engine core; importing it registers the spec.
+Freed block ids stay in the worker's block table (vLLM's sliding-window groups do the same), and vLLM's pool hands
+a block without a prefix hash to the very next allocation, so a freed id may already hold other KV (the same
+request's target's, as its prefill's chunks go on); the windowed copy of the draft's metadata never reads them,
+because the freed range is a subset of the dropped range (``freed_blocks``). Imported only inside vLLM processes: by
+``install`` from the proposer, and by unpickling a ``SinkWindowSpec`` in the engine core; importing it registers the
+spec.
 
 It runs on two generations of vLLM's KV cache manager, and relies only on what both have (``RING_POINTS``):
 

@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,9 @@ ENV = "WMTP_PLUGIN_TEST_DIR"
 _control: dict[str, Any] = {}
 _control_stamp: tuple[int, int, int] | None = None
 _cycle_start: tuple[list[int], list[int]] = ([], [])  # the current cycle's first forward: seq_lens, query_lens
-_ring_manager: Any = None  # the ring's KV cache manager of this process's engine, when the ring runs
+# The ring's KV cache manager of this process's engine, when the ring runs; weak, so that it keeps no dead
+# engine's pool alive.
+_ring_manager: weakref.ref | None = None
 
 
 def _dir() -> Path | None:
@@ -104,21 +107,33 @@ def observe_ring(manager: Any) -> None:
     """Know the ring's KV cache manager, whose pool says who owns each block the poison would write."""
     global _ring_manager
     if _dir() is not None:
-        _ring_manager = manager
+        _ring_manager = weakref.ref(manager)
 
 
-def _ring_ownership(block_ids: set[int]) -> tuple[set[int], set[int]]:
-    """Of these block ids, those the pool has handed to an owner other than the ring's draft group, and those it
-    holds free (given back, not yet handed out); both empty without the ring. The draft group's blocks count as the
-    draft's whichever request holds them: the proofs that poison run one request at a time."""
-    manager = _ring_manager
+def ring_spared(manager: Any, positions: list[tuple[int, int]], block_size: int) -> tuple[list[bool], list[bool]]:
+    """For each (kernel block id, token position) the poison would write, whether to spare it, and whether its block
+    is free in the pool of the ring's KV cache manager (given back, not yet handed out); nothing spared and nothing
+    free without the ring (``manager`` None).
+
+    A block is poisoned where the pool holds it free, or where the draft's group holds it at that very position (a
+    block the ring has not yet given back); spared where the pool handed it to another owner, or gave it back to the
+    draft's group for another position. The manager counts in its own blocks, which the attention kernel may split
+    into smaller ones. The draft group's blocks count as the draft's whichever request holds them: the proofs that
+    poison run one request at a time."""
     if manager is None:
-        return set(), set()
-    # A snapshot: under async scheduling the scheduler may change the map while a draft forward is being built.
-    held = {block.block_id for blocks in list(manager.req_to_blocks.values()) for block in list(blocks)}
-    blocks = manager.block_pool.blocks
-    free = {b for b in block_ids if blocks[b].ref_cnt == 0}
-    return {b for b in block_ids - free if b not in held}, free
+        return [False] * len(positions), [False] * len(positions)
+    per = manager.block_size // block_size  # kernel blocks per manager block
+    held_at = {
+        (index, block.block_id) for blocks in manager.req_to_blocks.values() for index, block in enumerate(blocks)
+    }
+    pool = manager.block_pool.blocks
+    spared, free = [], []
+    for block, position in positions:
+        own = block // per
+        is_free = pool[own].ref_cnt == 0
+        free.append(is_free)
+        spared.append(not is_free and (position // manager.block_size, own) not in held_at)
+    return spared, free
 
 
 def observe_free(
@@ -239,14 +254,13 @@ def _poison(proposer: Any, full: Any, spans: list[tuple[int, int]], block_size: 
     import torch
 
     table = full.block_table_tensor
-    positions = [
-        (int(table[r, p // block_size]), p % block_size)
-        for r, (start, end) in enumerate(spans)
-        for p in range(start, end)
+    positions = [(int(table[r, p // block_size]), p) for r, (start, end) in enumerate(spans) for p in range(start, end)]
+    manager = _ring_manager() if _ring_manager is not None and region == "outside" else None
+    spared, free = ring_spared(manager, positions, block_size)
+    slots = [
+        block * block_size + p % block_size for (block, p), skip in zip(positions, spared, strict=True) if not skip
     ]
-    others, free = _ring_ownership({block for block, _ in positions}) if region == "outside" else (set(), set())
-    slots = [block * block_size + offset for block, offset in positions if block not in others]
-    counts = {"spared": len(positions) - len(slots), "free": sum(block in free for block, _ in positions)}
+    counts = {"spared": sum(spared), "free": sum(f for f, skip in zip(free, spared, strict=True) if not skip)}
     if not slots:
         if counts["spared"]:
             _record({"kind": "poison", "region": region, "spans": spans, "slots": 0, **counts})

@@ -892,7 +892,8 @@ def test_the_ring_draft_reads_none_of_the_blocks_it_gave_back(engines):
     # The same read set as wmtp's at the design point: the same proposals.
     assert clean == _proposals(records[f"readset {design} False"])
     print(
-        f"ring read set: {poisoned} slots poisoned, {spared} spared (reused), {len(clean)} proposals", file=sys.stderr
+        f"ring read set: {poisoned} slots poisoned ({free} in free blocks), {spared} spared, {len(clean)} proposals",
+        file=sys.stderr,
     )
 
 

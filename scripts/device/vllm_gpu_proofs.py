@@ -181,7 +181,8 @@ def _ring_proofs(prompts: dict, outputs: dict, records: Path, proofs: dict, foun
     proofs["ring read set: drafts as wmtp's"] = every and drafts["ring clean"] == drafts["clean"]
     # The instrument poisons what the ring gave back and the pool holds free, and spares what the pool has already
     # handed to another owner (the target's KV, as the prefill's chunks go on).
-    poisons = [line for line in _lines(records) if line.get("kind") == "poison" and line.get("tag") in RING_TAGS]
+    ring_lines = [line for line in _lines(records) if line.get("tag") in RING_TAGS]
+    poisons = [line for line in ring_lines if line.get("kind") == "poison"]
     found["ring_poison"] = {key: sum(p.get(key, 0) for p in poisons) for key in ("slots", "free", "spared")}
     proofs["ring read set: freed blocks unread"] = (
         every and found["ring_poison"]["free"] > 0 and drafts["ring poison outside"] == drafts["ring clean"]
@@ -189,7 +190,7 @@ def _ring_proofs(prompts: dict, outputs: dict, records: Path, proofs: dict, foun
     clean, poisoned = outputs["read set ring clean"], outputs["read set ring poison outside"]
     target_unmoved = "ids" in clean and clean["ids"] == poisoned.get("ids")
     proofs["ring read set: the poison left the target alone"] = target_unmoved
-    frees = ring_frees([line for line in _lines(records) if line.get("tag") in RING_TAGS], SINK, WINDOW)
+    frees = ring_frees(ring_lines, SINK, WINDOW)
     found["ring_frees"] = frees
     proofs["ring read set: what it gave back is gone"] = (
         frees["blocks_given_back"] > 0 and frees["not_after_the_sink"] == 0 and frees["into_a_read_window"] == 0

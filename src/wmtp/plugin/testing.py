@@ -255,15 +255,18 @@ def _poison(proposer: Any, full: Any, spans: list[tuple[int, int]], block_size: 
 
     table = full.block_table_tensor
     positions = [(int(table[r, p // block_size]), p) for r, (start, end) in enumerate(spans) for p in range(start, end)]
+    if not positions:
+        return
     manager = _ring_manager() if _ring_manager is not None and region == "outside" else None
     spared, free = ring_spared(manager, positions, block_size)
     slots = [
         block * block_size + p % block_size for (block, p), skip in zip(positions, spared, strict=True) if not skip
     ]
-    counts = {"spared": sum(spared), "free": sum(f for f, skip in zip(free, spared, strict=True) if not skip)}
+    # A free block is never spared: its slots are among those written.
+    record = {"kind": "poison", "region": region, "spans": spans, "slots": len(slots), "spared": sum(spared)}
+    record["free"] = sum(free)
     if not slots:
-        if counts["spared"]:
-            _record({"kind": "poison", "region": region, "spans": spans, "slots": 0, **counts})
+        _record(record)
         return
     context = proposer.vllm_config.compilation_config.static_forward_context
     generator = torch.Generator().manual_seed(0)
@@ -276,4 +279,4 @@ def _poison(proposer: Any, full: Any, spans: list[tuple[int, int]], block_size: 
             dtype = proposer.vllm_config.model_config.dtype  # what the layer hands its cache writer
             key, value = ((torch.randn(shape, generator=generator) * 30).to(kv.device, dtype) for _ in range(2))
             layer.impl.do_kv_cache_update(layer, key, value, kv, slot_mapping)
-    _record({"kind": "poison", "region": region, "spans": spans, "slots": len(slots), **counts})
+    _record(record)
